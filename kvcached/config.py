@@ -1,0 +1,158 @@
+"""Configuration: explicit arguments first, environment variables as defaults.
+
+Every value is validated when the config is built; a bad value raises `ConfigError`
+naming the environment variable (or argument) and the accepted range. Nothing is read
+at import time, so two pools in one process may use different configs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvcached.errors import ConfigError
+
+MiB = 1 << 20
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def parse_bool(name: str, raw: str) -> bool:
+    """Parse a boolean switch strictly: 1/0, true/false, yes/no, on/off (any case)."""
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a boolean; use one of 1/0, true/false, yes/no")
+
+
+def _parse_int(name: str, raw: str, lo: int, hi: int | None) -> int:
+    try:
+        value = int(raw.strip(), 0)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    _check_range(name, value, lo, hi)
+    return value
+
+
+def _parse_float(name: str, raw: str, lo: float, hi: float | None) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+    _check_range(name, value, lo, hi)
+    return value
+
+
+def _check_range(name: str, value: float, lo: float, hi: float | None) -> None:
+    if value < lo or (hi is not None and value > hi):
+        upper = "inf" if hi is None else str(hi)
+        raise ConfigError(f"{name}={value} is out of range; accepted range is [{lo}, {upper}]")
+
+
+def enabled_from_env(env: Mapping[str, str] | None = None) -> bool:
+    """Whether kvcached is switched on: ``KVCACHED_ENABLE`` or upstream's ``ENABLE_KVCACHED``.
+
+    If both are set they must agree; a disagreement is a configuration error rather than
+    a silent preference for one of them.
+    """
+    env = os.environ if env is None else env
+    values = {
+        name: parse_bool(name, env[name])
+        for name in ("KVCACHED_ENABLE", "ENABLE_KVCACHED")
+        if name in env
+    }
+    if len(set(values.values())) > 1:
+        raise ConfigError(f"KVCACHED_ENABLE and ENABLE_KVCACHED disagree: {values}")
+    return any(values.values())
+
+
+@dataclass(frozen=True, slots=True)
+class KvcachedConfig:
+    """Validated knobs of one elastic pool.
+
+    Invariants: ``page_size`` is a positive multiple of 4 KiB; ``0 <= min_reserve_pages <=
+    max_reserve_pages``; ``budget_bytes`` is None (no budget of our own) or >= 0;
+    ``max_cached_blocks`` is -1 (unlimited) or >= 0.
+    """
+
+    page_size: int = 2 * MiB
+    min_reserve_pages: int = 1
+    max_reserve_pages: int = 4
+    capacity_ttl_s: float = 0.1
+    map_retries: int = 3
+    retry_backoff_s: float = 0.04
+    budget_bytes: int | None = None
+    budget_path: str | None = None
+    max_cached_blocks: int = -1
+    fault_plan: str | None = None
+
+    # name -> (env var, parser bounds); the single source of truth for validation.
+    _ENV = {
+        "page_size": ("KVCACHED_PAGE_SIZE", "int", 4096, 1 << 34),
+        "min_reserve_pages": ("KVCACHED_MIN_RESERVE_PAGES", "int", 0, 1 << 20),
+        "max_reserve_pages": ("KVCACHED_MAX_RESERVE_PAGES", "int", 0, 1 << 20),
+        "capacity_ttl_s": ("KVCACHED_CAPACITY_TTL_MS", "ms", 0.0, 60_000.0),
+        "map_retries": ("KVCACHED_MAP_RETRIES", "int", 0, 100),
+        "retry_backoff_s": ("KVCACHED_RETRY_BACKOFF_MS", "ms", 0.0, 10_000.0),
+        "budget_bytes": ("KVCACHED_BUDGET_BYTES", "int", 0, None),
+        "budget_path": ("KVCACHED_BUDGET_PATH", "str", 0, None),
+        "max_cached_blocks": ("KVCACHED_MAX_CACHED_BLOCKS", "int", -1, None),
+        "fault_plan": ("KVCACHED_FAULT_PLAN", "str", 0, None),
+    }
+
+    @classmethod
+    def resolve(cls, env: Mapping[str, str] | None = None, **explicit: Any) -> KvcachedConfig:
+        """Build a config: ``explicit`` arguments win, then ``env`` (default ``os.environ``)."""
+        env = os.environ if env is None else env
+        known = {f.name for f in fields(cls)}
+        unknown = set(explicit) - known
+        if unknown:
+            raise ConfigError(f"unknown kvcached option(s): {sorted(unknown)}")
+        values: dict[str, Any] = {}
+        for name, (var, kind, lo, hi) in cls._ENV.items():
+            if name in explicit:
+                values[name] = explicit[name]
+                continue
+            if var not in env:
+                continue
+            raw = env[var]
+            if kind == "int":
+                values[name] = _parse_int(var, raw, int(lo), None if hi is None else int(hi))
+            elif kind == "ms":
+                values[name] = _parse_float(var, raw, float(lo), hi) / 1000.0
+            else:
+                values[name] = raw or None
+        if "KVCACHED_PAGE_SIZE_MB" in env and "page_size" not in values:
+            values["page_size"] = _parse_int("KVCACHED_PAGE_SIZE_MB", env["KVCACHED_PAGE_SIZE_MB"], 1, 1 << 14) * MiB
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Check cross-field invariants (also run for explicit arguments)."""
+        if not isinstance(self.page_size, int) or self.page_size <= 0 or self.page_size % 4096:
+            raise ConfigError(
+                f"KVCACHED_PAGE_SIZE={self.page_size} must be a positive multiple of 4096 bytes"
+            )
+        for name in ("min_reserve_pages", "max_reserve_pages", "map_retries"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{self._ENV[name][0]}={value} must be an integer >= 0")
+        if self.min_reserve_pages > self.max_reserve_pages:
+            raise ConfigError(
+                f"KVCACHED_MIN_RESERVE_PAGES={self.min_reserve_pages} exceeds "
+                f"KVCACHED_MAX_RESERVE_PAGES={self.max_reserve_pages}"
+            )
+        if self.capacity_ttl_s < 0 or self.retry_backoff_s < 0:
+            raise ConfigError("KVCACHED_CAPACITY_TTL_MS and KVCACHED_RETRY_BACKOFF_MS must be >= 0")
+        if self.budget_bytes is not None and self.budget_bytes < 0:
+            raise ConfigError(f"KVCACHED_BUDGET_BYTES={self.budget_bytes} must be >= 0")
+        if self.max_cached_blocks < -1:
+            raise ConfigError(
+                f"KVCACHED_MAX_CACHED_BLOCKS={self.max_cached_blocks}; accepted: -1 (unlimited) or >= 0"
+            )

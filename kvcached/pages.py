@@ -1,0 +1,274 @@
+"""PageSpace and PagePool: which kv pages are physically mapped.
+
+A *kv page* is the unit the block ledger reasons about: a fixed run of logical blocks.
+Mapping kv page ``p`` maps VMM pages ``[p*k_r, (p+1)*k_r)`` of every backing range ``r``
+(one backing per KV tensor, all indexed by the same block ids), so one kv page is the
+same set of block ids in every layer.
+
+`PagePool` is policy over that mechanism:
+
+* pages handed to the ledger are *in use*; idle mapped pages form the *reserve*;
+  invariant: ``mapped == in_use | reserve`` and ``in_use & reserve == {}``;
+* the reserve is refilled up to ``min_reserve_pages`` after a take, and trimmed down to
+  ``max_reserve_pages`` by `collect`, but only pages whose fence ticket has passed are
+  unmapped (a step still in flight may touch them);
+* a batch map is all-or-nothing: a failure in the middle unmaps what the batch mapped;
+* the physical-capacity query is cached for ``capacity_ttl_s`` and invalidated by this
+  pool's own map/unmap, so only other processes' changes can be stale.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvcached.config import KvcachedConfig
+from kvcached.errors import ConfigError, InvariantError, PhysicalMemoryExhausted
+from kvcached.faults import FaultInjector
+from kvcached.fence import StepFence
+
+
+class Range(Protocol):
+    """What the pool needs from a backing (`kvcached._vmm.VirtualRange` satisfies it)."""
+
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def num_pages(self) -> int: ...
+    def map(self, pages: Sequence[int]) -> None: ...
+    def unmap(self, pages: Sequence[int]) -> None: ...
+    def physical_available(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class PageSpace:
+    """Geometry: kv page -> VMM pages of each backing.
+
+    Invariant: every range holds at least ``num_kv_pages * vmm_pages_per_kv_page[r]`` pages.
+    """
+
+    ranges: tuple[Range, ...]
+    vmm_pages_per_kv_page: tuple[int, ...]
+    num_kv_pages: int
+
+    def __post_init__(self) -> None:
+        if len(self.ranges) != len(self.vmm_pages_per_kv_page) or not self.ranges:
+            raise ConfigError("PageSpace needs one vmm_pages_per_kv_page entry per range")
+        for r, k in zip(self.ranges, self.vmm_pages_per_kv_page, strict=True):
+            if k <= 0 or r.num_pages < k * self.num_kv_pages:
+                raise ConfigError(
+                    f"backing of {r.num_pages} pages cannot hold {self.num_kv_pages} kv pages "
+                    f"of {k} VMM pages"
+                )
+
+    @property
+    def kv_page_bytes(self) -> int:
+        return sum(r.page_size * k for r, k in zip(self.ranges, self.vmm_pages_per_kv_page, strict=True))
+
+    def vmm_pages(self, r: int, kv_page: int) -> range:
+        k = self.vmm_pages_per_kv_page[r]
+        return range(kv_page * k, (kv_page + 1) * k)
+
+    def map_page(self, kv_page: int) -> None:
+        """Map one kv page in every range; all-or-nothing across ranges."""
+        done: list[int] = []
+        try:
+            for r, vrange in enumerate(self.ranges):
+                vrange.map(list(self.vmm_pages(r, kv_page)))
+                done.append(r)
+        except BaseException:
+            for r in reversed(done):
+                self.ranges[r].unmap(list(self.vmm_pages(r, kv_page)))
+            raise
+
+    def unmap_pages(self, kv_pages: Sequence[int]) -> None:
+        if not kv_pages:
+            return
+        for r, vrange in enumerate(self.ranges):
+            vrange.unmap([v for p in kv_pages for v in self.vmm_pages(r, p)])
+
+    def physical_available(self) -> int:
+        # All backings of one space draw on the same device (or budget).
+        return self.ranges[0].physical_available()
+
+
+@dataclass(frozen=True, slots=True)
+class PoolCounters:
+    maps: int
+    unmaps: int
+    map_failures: int
+    mapped_pages: int
+    peak_mapped_pages: int
+    reserve_pages: int
+
+
+class PagePool:
+    """Maps and unmaps kv pages of one `PageSpace` under a reserve policy and a step fence."""
+
+    def __init__(
+        self,
+        space: PageSpace,
+        config: KvcachedConfig,
+        *,
+        fence: StepFence | None = None,
+        faults: FaultInjector | None = None,
+    ) -> None:
+        self.space = space
+        self.config = config
+        self.fence = fence if fence is not None else StepFence()
+        self.faults = faults
+        self._lock = threading.RLock()
+        self.in_use: set[int] = set()
+        self.reserve: dict[int, int] = {}  # kv page -> fence ticket of its release
+        self._capacity: tuple[float, int] | None = None  # (time, kv pages) cache
+        self._maps = self._unmaps = self._failures = 0
+        self._peak = 0
+
+    # ---- queries -------------------------------------------------------------------
+    @property
+    def mapped(self) -> set[int]:
+        with self._lock:
+            return self.in_use | set(self.reserve)
+
+    def is_mapped(self, page: int) -> bool:
+        with self._lock:
+            return page in self.in_use or page in self.reserve
+
+    def capacity_pages(self) -> int:
+        """kv pages this pool could map now (cached for ``capacity_ttl_s``)."""
+        with self._lock:
+            now = time.monotonic()
+            if self._capacity is not None and now - self._capacity[0] < self.config.capacity_ttl_s:
+                return self._capacity[1]
+            pages = self.space.physical_available() // self.space.kv_page_bytes
+            self._capacity = (now, pages)
+            return pages
+
+    def counters(self) -> PoolCounters:
+        with self._lock:
+            return PoolCounters(self._maps, self._unmaps, self._failures,
+                                len(self.in_use) + len(self.reserve), self._peak, len(self.reserve))
+
+    # ---- mechanism -----------------------------------------------------------------
+    def _map_batch(self, pages: Sequence[int]) -> None:
+        """Map ``pages`` (all unmapped) into the reserve; all-or-nothing."""
+        done: list[int] = []
+        try:
+            for page in pages:
+                if self.faults is not None:
+                    self.faults.check("map")
+                self.space.map_page(page)
+                done.append(page)
+        except PhysicalMemoryExhausted:
+            self._failures += 1
+            self.space.unmap_pages(done)
+            raise
+        finally:
+            if done:
+                self._capacity = None
+        self._maps += len(done)
+        for page in done:
+            self.reserve[page] = 0
+        self._peak = max(self._peak, len(self.in_use) + len(self.reserve))
+
+    def _map_with_retry(self, pages: Sequence[int], wait: bool) -> None:
+        attempts = self.config.map_retries + 1 if wait else 1
+        for attempt in range(attempts):
+            try:
+                self._map_batch(pages)
+                return
+            except PhysicalMemoryExhausted:
+                self._capacity = None
+                if attempt + 1 == attempts:
+                    raise
+                time.sleep(self.config.retry_backoff_s * (2**attempt))
+
+    def _unmap(self, pages: list[int]) -> None:
+        if not pages:
+            return
+        self.space.unmap_pages(pages)
+        for page in pages:
+            del self.reserve[page]
+        self._unmaps += len(pages)
+        self._capacity = None
+
+    # ---- policy --------------------------------------------------------------------
+    def acquire(self, pages: Iterable[int], *, wait: bool = False) -> None:
+        """Make ``pages`` in use, mapping those not mapped in one batch (all-or-nothing).
+
+        Raises `PhysicalMemoryExhausted` (or `InjectedFault`) with no state changed.
+        """
+        with self._lock:
+            wanted = sorted(set(pages))
+            for page in wanted:
+                if page in self.in_use or not 0 <= page < self.space.num_kv_pages:
+                    raise InvariantError(f"kv page {page} is already in use or out of range")
+            missing = [p for p in wanted if p not in self.reserve]
+            self._map_with_retry(missing, wait)
+            for page in wanted:
+                del self.reserve[page]
+                self.in_use.add(page)
+            self._top_up()
+
+    def prefetch(self, pages: Sequence[int]) -> int:
+        """Map idle ``pages`` into the reserve, one at a time, until capacity runs out.
+
+        Returns how many were mapped. Running out is expected here, not an error.
+        """
+        with self._lock:
+            mapped = 0
+            for page in pages:
+                if page in self.in_use or page in self.reserve:
+                    continue
+                try:
+                    self._map_batch([page])
+                except PhysicalMemoryExhausted:
+                    break
+                mapped += 1
+            return mapped
+
+    def release(self, pages: Iterable[int]) -> None:
+        """Pages with no held block go back to the reserve, ticketed by the fence."""
+        with self._lock:
+            ticket = self.fence.ticket()
+            for page in pages:
+                if page not in self.in_use:
+                    raise InvariantError(f"kv page {page} released but not in use")
+                self.in_use.discard(page)
+                self.reserve[page] = ticket
+
+    def collect(self, keep: int | None = None) -> int:
+        """Unmap reserve pages above ``keep`` (default max_reserve_pages) whose ticket passed."""
+        with self._lock:
+            keep = self.config.max_reserve_pages if keep is None else keep
+            excess = len(self.reserve) - keep
+            if excess <= 0:
+                return 0
+            # Highest page indices first: block choice prefers low pages, so this keeps
+            # the mapped set compact.
+            ready = sorted((p for p, t in self.reserve.items() if self.fence.passed(t)), reverse=True)
+            victims = ready[:excess]
+            self._unmap(victims)
+            return len(victims)
+
+    def trim(self) -> int:
+        """Give back every idle page the fence allows."""
+        return self.collect(keep=0)
+
+    def close(self) -> None:
+        """Unmap everything (teardown). In-use pages are a caller bug only if the engine is alive."""
+        with self._lock:
+            self.reserve.update({p: 0 for p in self.in_use})
+            self.in_use.clear()
+            self._unmap(sorted(self.reserve))
+
+    def _top_up(self) -> None:
+        need = self.config.min_reserve_pages - len(self.reserve)
+        if need <= 0:
+            return
+        candidates = [p for p in range(self.space.num_kv_pages)
+                      if p not in self.in_use and p not in self.reserve][:need]
+        self.prefetch(candidates)

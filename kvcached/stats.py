@@ -1,0 +1,53 @@
+"""`kvcached.stats()`: a snapshot of every live elastic pool in this process."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """One pool at one instant. Invariant: ``reserved_idle_bytes <= mapped_bytes <=
+    peak_mapped_bytes``; ``live_blocks <= capacity_blocks``."""
+
+    mapped_bytes: int
+    peak_mapped_bytes: int
+    reserved_idle_bytes: int
+    live_blocks: int
+    capacity_blocks: int
+    maps: int
+    unmaps: int
+    map_failures: int
+
+
+class StatsSource(Protocol):
+    def pool_stats(self) -> PoolStats: ...
+
+
+_lock = threading.Lock()
+_sources: weakref.WeakValueDictionary[str, StatsSource] = weakref.WeakValueDictionary()
+_seq = itertools.count()
+
+
+def register(name: str, source: StatsSource) -> str:
+    """Register a pool under ``name`` (made unique with a suffix); held weakly."""
+    with _lock:
+        key = name if name not in _sources else f"{name}#{next(_seq)}"
+        _sources[key] = source
+        return key
+
+
+def unregister(key: str) -> None:
+    with _lock:
+        _sources.pop(key, None)
+
+
+def stats() -> dict[str, PoolStats]:
+    """Per pool: mapped bytes, peak mapped bytes, reserved-but-idle bytes, live blocks, capacity."""
+    with _lock:
+        items = list(_sources.items())
+    return {name: source.pool_stats() for name, source in items}
