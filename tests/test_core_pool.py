@@ -1,0 +1,180 @@
+"""PagePool, config and fault-injection behaviour on the real CPU backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvcached.config import KvcachedConfig, enabled_from_env
+from kvcached.errors import ConfigError, InjectedFault, InvariantError, PhysicalMemoryExhausted
+from kvcached.faults import FaultInjector
+from kvcached.fence import StepFence
+from kvcached.ledger import BlockLedger
+from kvcached.pages import PagePool, PageSpace
+from kvcached.space import plan_geometry
+
+_vmm = pytest.importorskip("kvcached._vmm", reason="native extension not built")
+
+PAGE = 64 << 10
+
+
+def make_pool(num_pages: int = 8, budget_pages: int | None = None, ranges: int = 1,
+              faults: FaultInjector | None = None, budget: object = None,
+              **cfg) -> tuple[PagePool, list, object]:
+    config = KvcachedConfig(page_size=PAGE, **{"min_reserve_pages": 0, "max_reserve_pages": 0,
+                                               "capacity_ttl_s": 0.0, **cfg})
+    if budget_pages is not None:
+        budget = _vmm.Budget(budget_pages * PAGE)
+    vranges = [_vmm.VirtualRange("cpu", num_pages * PAGE, PAGE, budget) for _ in range(ranges)]
+    space = PageSpace(tuple(vranges), (1,) * ranges, num_pages)
+    return PagePool(space, config, fence=StepFence(), faults=faults), vranges, budget
+
+
+def test_acquire_maps_in_every_backing_and_release_unmaps_after_collect():
+    pool, (a, b), _ = make_pool(ranges=2)
+    pool.acquire([1, 3])
+    assert a.mapped_pages() == [1, 3] and b.mapped_pages() == [1, 3]
+    pool.release([1, 3])
+    assert pool.mapped == {1, 3}  # idle pages wait in the reserve until collected
+    assert pool.collect() == 2
+    assert a.num_mapped == 0 and b.num_mapped == 0
+
+
+def test_reserve_watermarks():
+    pool, (vr,), _ = make_pool(num_pages=8, min_reserve_pages=2, max_reserve_pages=3)
+    pool.acquire([0])
+    assert len(pool.reserve) == 2, "min watermark refilled after a take"
+    pool.acquire([5, 6])
+    pool.release([0, 5, 6])
+    pool.collect()
+    assert len(pool.reserve) == 3, "trimmed down to the max watermark"
+    assert vr.num_mapped == 3
+
+
+def test_failure_in_the_middle_of_a_batch_rolls_back():
+    faults = FaultInjector.from_plans([{"site": "map", "skip": 2, "fail_next": 1}])
+    pool, (vr,), _ = make_pool(faults=faults)
+    with pytest.raises(InjectedFault):
+        pool.acquire([0, 1, 2, 3])
+    assert vr.num_mapped == 0 and pool.mapped == set()
+    assert faults.fired("map") == 1
+    pool.acquire([0, 1, 2, 3])  # the plan is spent: the same batch now succeeds
+    assert vr.mapped_pages() == [0, 1, 2, 3]
+
+
+def test_budget_exhaustion_is_typed_and_leaks_nothing():
+    pool, (vr,), budget = make_pool(budget_pages=3)
+    pool.acquire([0, 1])
+    with pytest.raises(PhysicalMemoryExhausted):
+        pool.acquire([2, 3])
+    assert vr.mapped_pages() == [0, 1] and budget.used == 2 * PAGE
+    assert pool.in_use == {0, 1}
+
+
+def test_fence_keeps_pages_mapped_while_a_step_is_in_flight():
+    pool, (vr,), _ = make_pool()
+    pool.acquire([4])
+    step = pool.fence.begin_step()
+    assert step == 1
+    pool.release([4])  # e.g. a copy-on-write retention freed right after scheduling
+    assert pool.trim() == 0 and vr.is_mapped(4), "unmapped under an in-flight step"
+    pool.fence.end_step()
+    assert pool.trim() == 1 and not vr.is_mapped(4)
+
+
+def test_capacity_query_is_cached_and_invalidated_by_own_maps():
+    pool, _, budget = make_pool(budget_pages=4, capacity_ttl_s=60.0)
+    assert pool.capacity_pages() == 4
+    budget.limit = 2 * PAGE  # someone else's change: invisible until the TTL expires
+    assert pool.capacity_pages() == 4
+    pool.acquire([0])  # our own map invalidates the cache
+    assert pool.capacity_pages() == 1
+
+
+def test_bounded_retry_recovers_when_pressure_goes_away(tmp_path: Path):
+    path = str(tmp_path / "arena")
+    shared = _vmm.Budget(2 * PAGE, path)
+    pool, _, _ = make_pool(budget=shared, map_retries=4, retry_backoff_s=0.05)
+    hog = subprocess.Popen([sys.executable, "-c", (
+        "import sys,time; from kvcached import _vmm\n"
+        f"b=_vmm.Budget(0, {path!r}); r=_vmm.VirtualRange('cpu', {2 * PAGE}, {PAGE}, b)\n"
+        "r.map([0,1]); print('held', flush=True); time.sleep(0.2); r.unmap([0,1])\n")],
+        stdout=subprocess.PIPE, text=True)
+    assert hog.stdout is not None and hog.stdout.readline().strip() == "held"
+    with pytest.raises(PhysicalMemoryExhausted):
+        pool.acquire([0], wait=False)
+    start = time.monotonic()
+    pool.acquire([0], wait=True)  # retries with backoff until the other process lets go
+    assert time.monotonic() - start < 2.0
+    assert hog.wait(timeout=10) == 0
+
+
+def test_ledger_fills_mapped_pages_first_and_returns_empty_pages():
+    geometry = plan_geometry([PAGE // 4], 32, PAGE)
+    pool, (vr,), _ = make_pool(num_pages=geometry.num_kv_pages)
+    ledger = BlockLedger(32, geometry.blocks_per_page, pool, pinned=[0])
+    first = ledger.allocate(3)
+    assert {ledger.page_of(b) for b in first} == {0}, "fills the pinned block's page first"
+    more = ledger.allocate(2)
+    assert {ledger.page_of(b) for b in more} == {1}
+    assert ledger.release(more) == [1]
+    with pytest.raises(InvariantError):
+        ledger.release(more)  # double free is a bug, loudly
+    pool.trim()
+    assert vr.mapped_pages() == [0]
+
+
+def test_config_validation_names_the_variable():
+    with pytest.raises(ConfigError, match="KVCACHED_PAGE_SIZE"):
+        KvcachedConfig.resolve(env={"KVCACHED_PAGE_SIZE": "1000"})
+    with pytest.raises(ConfigError, match=r"KVCACHED_MAX_CACHED_BLOCKS.*range"):
+        KvcachedConfig.resolve(env={"KVCACHED_MAX_CACHED_BLOCKS": "-7"})
+    with pytest.raises(ConfigError, match="KVCACHED_MIN_RESERVE_PAGES"):
+        KvcachedConfig.resolve(env={"KVCACHED_MIN_RESERVE_PAGES": "9", "KVCACHED_MAX_RESERVE_PAGES": "2"})
+    explicit = KvcachedConfig.resolve(env={"KVCACHED_PAGE_SIZE": "8192"}, page_size=PAGE)
+    assert explicit.page_size == PAGE, "explicit arguments win over the environment"
+    assert KvcachedConfig.resolve(env={"KVCACHED_CAPACITY_TTL_MS": "250"}).capacity_ttl_s == 0.25
+    assert enabled_from_env({"ENABLE_KVCACHED": "true"}) is True
+    assert enabled_from_env({}) is False
+    with pytest.raises(ConfigError, match="KVCACHED_ENABLE"):
+        enabled_from_env({"KVCACHED_ENABLE": "maybe"})
+    with pytest.raises(ConfigError, match="disagree"):
+        enabled_from_env({"KVCACHED_ENABLE": "1", "ENABLE_KVCACHED": "false"})
+
+
+def test_fault_plan_file_is_driven_from_another_process(tmp_path: Path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"plans": []}))
+    faults = FaultInjector.from_env(str(plan))
+    assert faults is not None
+    faults.check("admission")  # nothing armed
+    # Another process arms a triggered plan.
+    subprocess.run([sys.executable, "-c", (
+        "import json,sys; open(sys.argv[1],'w').write(json.dumps({'plans': [{'site': "
+        "'cow_admission', 'after_trigger': 'partial_prefix_hit', 'fail_next': 2}]}))"), str(plan)],
+        check=True)
+    os.utime(plan, ns=(time.time_ns(), time.time_ns() + 1_000_000))
+    faults.check("cow_admission")  # not armed until the trigger fires
+    faults.trigger("partial_prefix_hit")
+    for _ in range(2):
+        with pytest.raises(InjectedFault):
+            faults.check("cow_admission")
+    faults.check("cow_admission")  # spent
+    fired = json.loads((tmp_path / "plan.json.fired.json").read_text())
+    assert fired["fired"] == {"cow_admission": 2}
+
+
+def test_fault_plan_errors_are_clear(tmp_path: Path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        FaultInjector.from_env(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"plans": [{"site": "nowhere"}]}))
+    with pytest.raises(ConfigError, match="accepted sites"):
+        FaultInjector.from_env(str(bad))
+    assert FaultInjector.from_env("") is None
