@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvcached import stats as stats_registry
 from kvcached.config import KvcachedConfig
 from kvcached.faults import FaultInjector
 from kvcached.fence import StepFence
 from kvcached.ledger import BlockLedger
 from kvcached.pages import PagePool
 from kvcached.space import KvSpace, plan_geometry
+from kvcached.stats import register, unregister
 
 
 @dataclass
@@ -45,13 +45,13 @@ class ElasticArena:
         pool = PagePool(space.page_space(), config, fence=fence, faults=faults)
         ledger = BlockLedger(space.geometry.num_blocks, space.geometry.blocks_per_page, pool, pinned)
         arena = cls(config, space, fence, faults, pool, ledger)
-        arena.stats_key = stats_registry.register(name, ledger)
+        arena.stats_key = register(name, ledger)
         return arena
 
     def close(self) -> None:
         """Unmap every page and leave the stats registry. Idempotent."""
         if self.stats_key:
-            stats_registry.unregister(self.stats_key)
+            unregister(self.stats_key)
             self.stats_key = ""
         self.pool.close()
 

@@ -1,0 +1,1 @@
+"""Engine integrations. Each subpackage is the only place that imports its engine."""

@@ -1,0 +1,495 @@
+"""`ElasticBlockPool`: vLLM's `BlockPool` with physical memory owned by kvcached.
+
+The subclass keeps *all* of vLLM's prefix-cache metadata: the hash map, alias keys,
+partial entries and their promotion, ``move_block_hashes``, KV events, metrics and
+``reset_prefix_cache`` are the inherited methods, unchanged. kvcached adds the physical
+side: which block ids are handed out (page-aware), which kv pages are mapped, a cap on
+free-but-cached blocks, and giving pages back.
+
+Block states (every non-null block is in exactly one)::
+
+    LIVE      ref_cnt > 0                               ledger: held
+    CACHED    ref_cnt == 0, hashed                      ledger: held  (bytes must survive)
+    STRANDED  ref_cnt == 0, unhashed, but in the hashed  ledger: held  (page kept mapped)
+              region of the free queue (it lost its hash while free: ``evict_blocks``)
+    CLEAN     ref_cnt == 0, unhashed, in the leading     ledger: free  (may be unbacked)
+              region of the free queue
+
+The null block is pinned (held forever). The ledger's free set is exactly the CLEAN set.
+
+Free-queue invariant (every supported `FreeOrder` keeps it): the queue is
+``[all CLEAN blocks][CACHED and STRANDED blocks in native order]``. Native
+``get_new_blocks(n)`` pops the first ``n``; this pool takes ``n`` CLEAN blocks chosen
+page-aware when ``n <= #CLEAN``, else all CLEAN blocks and then the next ``n - #CLEAN``
+positionally. Hits, misses, evictions, ref counts, free counts and events are therefore
+those of the native pool; only the identities of CLEAN blocks differ.
+
+Physical promise: `get_num_free_blocks` reports only what `get_new_blocks` can hand out
+without mapping: the native count once every CLEAN block sits on a mapped page, else the
+number of CLEAN blocks on mapped pages. Admission (the scheduler seam) notes its demand
+first, so the next `get_num_free_blocks` maps pages for it in one batch and, only when
+physical memory is short, turns free CACHED/STRANDED blocks into backed CLEAN ones
+(*reclaim*: evicting cache is better than failing admission forever while idle cache
+holds the memory). Exhaustion therefore shows up as a smaller free count, i.e. a
+scheduling miss; `get_new_blocks` only maps when called without admission, and raises
+`PhysicalMemoryExhausted` before changing anything if it cannot.
+
+Cap: ``KvcachedConfig.max_cached_blocks`` (-1: none) bounds the free blocks that keep
+memory mapped, CACHED and STRANDED alike. Above it, `free_blocks` cleans blocks page by
+page (pages whose held blocks are all idle first, fewest first), evicting through
+``_maybe_evict_cached_block`` so events and metrics stay native. The cap and reclaim are
+the only places this pool departs from native eviction order, by design.
+
+Fault injection (`kvcached.faults`): the admission check runs site ``"admission"`` or
+``"cow_admission"``; an injected failure maps and reclaims nothing and reports fewer
+free blocks than the demand, so that admission attempt is a scheduling miss.
+
+Pages whose blocks are all CLEAN go back to the `PagePool`, ticketed by the step fence;
+they are unmapped by `collect` once every step that may still touch them has executed.
+``take_events``, ``get_cached_block``, ``cache_full_blocks``, ``cache_partial_block``,
+``move_block_hashes`` and ``emit_cached_block_events`` are vLLM's, inherited unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
+from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, KVCacheBlock
+
+from kvcached.config import KvcachedConfig
+from kvcached.errors import InjectedFault, IntegrationError, InvariantError
+from kvcached.faults import FaultInjector
+from kvcached.fence import StepFence
+from kvcached.ledger import BlockLedger
+from kvcached.pages import PagePool
+from kvcached.space import KvSpace, claim
+from kvcached.stats import register as register_stats
+from kvcached.stats import unregister as unregister_stats
+
+ADMISSION_SITES = frozenset({"admission", "cow_admission"})
+
+
+@dataclass(frozen=True, slots=True)
+class _Demand:
+    """Blocks one admission check asks for, and the prefix hits it is about to touch."""
+
+    blocks: int
+    protected: frozenset[int]
+
+
+@dataclass(frozen=True, slots=True)
+class _Admission:
+    """Context of one ``allocate_slots`` call (set by the scheduler seam)."""
+
+    watermark: int
+    reserved: int
+    site: str
+
+
+class ElasticBlockPool(BlockPool):
+    """vLLM ``BlockPool`` whose blocks live on elastically mapped kv pages.
+
+    The first five parameters are the native constructor's, passed to it unchanged.
+    ``kv_space`` is the worker's published space (default: claimed from `kvcached.space`);
+    ``config``/``faults``/``fence`` default to the environment's config, its fault plan and
+    a fresh fence.
+    """
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool,
+        hash_block_size: int,
+        enable_kv_cache_events: bool = False,
+        metrics_collector: KVCacheMetricsCollector | None = None,
+        *,
+        kv_space: KvSpace | None = None,
+        config: KvcachedConfig | None = None,
+        faults: FaultInjector | None = None,
+        fence: StepFence | None = None,
+        name: str = "vllm",
+    ) -> None:
+        super().__init__(
+            num_gpu_blocks=num_gpu_blocks,
+            enable_caching=enable_caching,
+            hash_block_size=hash_block_size,
+            enable_kv_cache_events=enable_kv_cache_events,
+            metrics_collector=metrics_collector,
+        )
+        space = kv_space if kv_space is not None else kv_space_claim(num_gpu_blocks)
+        if space.geometry.num_blocks != num_gpu_blocks:
+            raise IntegrationError(
+                f"KV space holds {space.geometry.num_blocks} blocks but the pool has {num_gpu_blocks}"
+            )
+        self.config = config if config is not None else KvcachedConfig.resolve()
+        # An empty path means "no plan": only the config decides, not the environment again.
+        self.faults = faults if faults is not None else FaultInjector.from_env(self.config.fault_plan or "")
+        self.fence = fence if fence is not None else StepFence()
+        self.page_pool = PagePool(space.page_space(), self.config, fence=self.fence, faults=self.faults)
+        self.ledger = BlockLedger(
+            num_gpu_blocks,
+            space.geometry.blocks_per_page,
+            self.page_pool,
+            pinned=(self.null_block.block_id,),
+        )
+        self._cached: set[int] = set()
+        self._stranded: set[int] = set()
+        self._demand: _Demand | None = None
+        self._admission: _Admission | None = None
+        self._logical_view = False
+        self._stats_key = register_stats(name, self.ledger)
+
+    # ---- admission (driven by the scheduler seam) ------------------------------------
+    def note_demand(self, num_blocks: int, new_computed_blocks: Iterable[Sequence[KVCacheBlock]] = ()) -> None:
+        """Record what the next `get_num_free_blocks` call is asked to cover.
+
+        ``new_computed_blocks`` are the prefix hits the admission will touch; reclaim
+        never evicts them.
+        """
+        protected = frozenset(
+            b.block_id for group in new_computed_blocks for b in group if b.ref_cnt == 0 and not b.is_null
+        )
+        self._demand = _Demand(num_blocks, protected)
+
+    @contextlib.contextmanager
+    def admission(self, *, watermark: int, reserved: int, site: str) -> Iterator[None]:
+        """Scope of one ``allocate_slots`` call: headroom for mapping and the fault site."""
+        if site not in ADMISSION_SITES:
+            raise InvariantError(f"unknown admission site {site!r}")
+        previous = self._admission
+        self._admission = _Admission(watermark, reserved, site)
+        try:
+            yield
+        finally:
+            self._admission = previous
+            self._demand = None
+
+    @property
+    def in_admission(self) -> bool:
+        """Whether an ``allocate_slots`` call is in progress (see `admission`)."""
+        return self._admission is not None
+
+    def trigger(self, name: str) -> None:
+        """Forward a fault-injection trigger (no-op when injection is off)."""
+        if self.faults is not None:
+            self.faults.trigger(name)
+
+    def collect(self) -> int:
+        """Unmap idle pages the fence allows (called after each executed step)."""
+        return self.page_pool.collect()
+
+    # ---- counts ----------------------------------------------------------------------
+    def get_num_free_blocks(self) -> int:
+        """Free blocks `get_new_blocks` can hand out now without mapping; <= the native count."""
+        native = self.free_block_queue.num_free_blocks
+        if self._logical_view:
+            return native
+        self._adopt_external_pops()
+        demand, self._demand = self._demand, None
+        if demand is not None:
+            return self._admit(native, demand)
+        return self._backable(native, self.ledger.backed_free_count())
+
+    def get_usage(self) -> float:
+        """Logical usage, as native: the fraction of blocks not in the free queue."""
+        total = self.num_gpu_blocks - 1
+        if not total:
+            return 0
+        return 1.0 - (self.free_block_queue.num_free_blocks / total)
+
+    def _backable(self, native: int, backed_clean: int) -> int:
+        # With every CLEAN block backed, any n <= native is served by CLEAN blocks and then
+        # mapped CACHED/STRANDED ones. Otherwise n must stay within the backed CLEAN ones,
+        # because n <= #CLEAN takes CLEAN blocks only (native order).
+        return native if backed_clean >= self.ledger.num_free else backed_clean
+
+    def _admit(self, native: int, demand: _Demand) -> int:
+        """The free count for one admission check, mapping (or reclaiming) what it needs."""
+        adm = self._admission
+        watermark, reserved = (adm.watermark, adm.reserved) if adm is not None else (0, 0)
+        idle = self._backable(native, self.ledger.backed_free_count())
+        # Hopeless checks map nothing: above num_gpu_blocks is MambaManager's "not this
+        # step" sentinel, and beyond the native free count vLLM refuses anyway.
+        if demand.blocks > self.num_gpu_blocks or demand.blocks + reserved > native:
+            return idle
+        if demand.blocks > 0 and adm is not None and self.faults is not None:
+            try:
+                self.faults.check(adm.site)
+            except InjectedFault:
+                # Injected failure: nothing is mapped or reclaimed, and the count is held
+                # below the demand so this attempt is a scheduling miss
+                # (available = count - reserved < demand).
+                return min(idle, demand.blocks + reserved - 1)
+        # The watermark is headroom vLLM applies to waiting requests only; mapping for it
+        # anyway keeps this side simple and costs at most `watermark` idle blocks.
+        target = min(demand.blocks + watermark + reserved, native)
+        backed = self.ledger.ensure_backed(min(target, self.ledger.num_free))
+        if backed < self.ledger.num_free and backed < target:
+            # Memory is short: make idle cached blocks CLEAN (and backed) rather than fail.
+            self._clean(self._victims(target - backed, exclude=demand.protected))
+            backed = self.ledger.backed_free_count()
+        return self._backable(native, backed)
+
+    # ---- allocation --------------------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Native semantics; CLEAN blocks are chosen page-aware (see the module docstring)."""
+        self._adopt_external_pops()
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        num_clean = min(num_blocks, self.ledger.num_free)
+        # Maps pages only if admission did not; raises PhysicalMemoryExhausted before any
+        # state changes.
+        clean_ids = self.ledger.allocate(num_clean) if num_clean else []
+        ret = [self.blocks[b] for b in clean_ids]
+        for block in ret:
+            self.free_block_queue.remove(block)
+        if num_blocks > num_clean:
+            # Every CLEAN block is taken; the head of the queue is the hashed region.
+            positional = self.free_block_queue.popleft_n(num_blocks - num_clean)
+            for block in positional:
+                bid = block.block_id
+                if bid in self._cached:
+                    self._cached.remove(bid)
+                elif bid in self._stranded:
+                    self._stranded.remove(bid)
+                else:
+                    raise InvariantError(f"block {bid} popped from the hashed region is not cached")
+            ret.extend(positional)
+        for block in ret:
+            if self.enable_caching:
+                self._maybe_evict_cached_block(block)
+            if block.ref_cnt != 0:
+                raise InvariantError(f"free block {block.block_id} has ref_cnt={block.ref_cnt}")
+            block.ref_cnt += 1
+            if self.metrics_collector:
+                self.metrics_collector.on_block_allocated(block)
+        return ret
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Native touch; a touched free block becomes LIVE (a CLEAN one is held first)."""
+        self._adopt_external_pops()
+        woken: dict[int, None] = {}
+        for block in blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                woken[block.block_id] = None
+        clean = [b for b in woken if b not in self._cached and b not in self._stranded]
+        if clean:
+            self.ledger.hold(clean)  # raises before any change if a page cannot be mapped
+        super().touch(blocks)
+        for bid in woken:
+            self._cached.discard(bid)
+            self._stranded.discard(bid)
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Native free (native queue order), then ledger release and the cached cap."""
+        self._adopt_external_pops()
+        blocks = list(ordered_blocks)
+        super().free_blocks(blocks)
+        released: dict[int, None] = {}
+        for block in blocks:
+            if block.ref_cnt != 0 or block.is_null:
+                continue
+            bid = block.block_id
+            if block.block_hash is None:
+                released[bid] = None
+            elif self.enable_caching:
+                self._cached.add(bid)
+            else:
+                raise InvariantError(f"block {bid} is hashed while prefix caching is off")
+        if released:
+            self.ledger.release(released)
+        self._enforce_cap()
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Native eviction: hashes go, positions stay (a free CACHED block becomes STRANDED)."""
+        super().evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Native reset; on success every free block is CLEAN and empty pages go back."""
+        self._adopt_external_pops()
+        self._logical_view = True  # the native check compares against the logical count
+        try:
+            ok = super().reset_prefix_cache()
+        finally:
+            self._logical_view = False
+        if ok:
+            idle = sorted(self._cached | self._stranded)
+            self._cached.clear()
+            self._stranded.clear()
+            if idle:
+                self.ledger.release(idle)
+        return ok
+
+    # ---- hash hooks: ledger state only, native behaviour via super --------------------
+    def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[BlockHashWithGroupId]:
+        removed = super()._remove_cached_block_hashes(block)
+        if block.block_id in self._cached and block.block_hash is None:
+            # Lost its hash while free: it keeps its queue position, hence its page.
+            self._cached.remove(block.block_id)
+            self._stranded.add(block.block_id)
+        return removed
+
+    def _insert_block_hash(
+        self,
+        block_hash_with_group_id: BlockHashWithGroupId,
+        block: KVCacheBlock,
+        num_tokens: int | None,
+    ) -> None:
+        bid = block.block_id
+        free_unhashed = block.ref_cnt == 0 and not block.is_null and block.block_hash is None
+        if free_unhashed and bid not in self._stranded:
+            # vLLM 0.26-0.29 only hashes referenced blocks; a CLEAN block sits in the
+            # leading queue region, where a hashed block would break the order invariant.
+            raise InvariantError(f"vLLM hashed free block {bid}, which kvcached does not support")
+        super()._insert_block_hash(block_hash_with_group_id, block, num_tokens)
+        if free_unhashed and block.block_hash is not None:
+            self._stranded.remove(bid)
+            self._cached.add(bid)
+
+    # ---- cap, reclaim ------------------------------------------------------------------
+    def _enforce_cap(self) -> None:
+        """Keep free CACHED + STRANDED blocks within ``max_cached_blocks`` (-1: no cap)."""
+        cap = self.config.max_cached_blocks
+        if cap < 0:
+            return
+        excess = len(self._cached) + len(self._stranded) - cap
+        if excess > 0:
+            self._clean(self._victims(excess))
+
+    def _victims(self, n: int, exclude: frozenset[int] = frozenset()) -> list[int]:
+        """Up to ``n`` free CACHED/STRANDED blocks to make CLEAN, page-aware.
+
+        Pages all of whose held blocks are free (so cleaning them empties the page) come
+        first, fewest such blocks first; then the other pages, fewest first.
+        """
+        if n <= 0:
+            return []
+        by_page: dict[int, list[int]] = {}
+        for bid in self._cached | self._stranded:
+            if bid not in exclude:
+                by_page.setdefault(self.ledger.page_of(bid), []).append(bid)
+
+        def rank(page: int) -> tuple[bool, int, int]:
+            lo = page * self.ledger.blocks_per_page
+            hi = min(lo + self.ledger.blocks_per_page, self.num_gpu_blocks)
+            held = sum(1 for b in range(lo, hi) if self.ledger.is_held(b))
+            return (held != len(by_page[page]), len(by_page[page]), page)
+
+        victims: list[int] = []
+        for page in sorted(by_page, key=rank):
+            victims.extend(sorted(by_page[page])[: n - len(victims)])
+            if len(victims) == n:
+                break
+        return victims
+
+    def _clean(self, victims: Sequence[int]) -> None:
+        """Make free CACHED/STRANDED blocks CLEAN: evict natively, move to the queue front."""
+        if not victims:
+            return
+        moved: list[KVCacheBlock] = []
+        for bid in victims:
+            block = self.blocks[bid]
+            if bid in self._cached:
+                self._cached.remove(bid)  # first, so the removal hook leaves it alone
+                self._maybe_evict_cached_block(block)
+            else:
+                self._stranded.remove(bid)
+            self.free_block_queue.remove(block)
+            moved.append(block)
+        self.free_block_queue.prepend_n(moved)
+        self.ledger.release(victims)
+
+    # ---- foreign queue users -----------------------------------------------------------
+    def _adopt_external_pops(self) -> None:
+        """Hold blocks popped from the free queue behind the pool's back.
+
+        ``SinkFullAttentionManager`` pops its sink blocks straight from the queue when it
+        is built; they are LIVE forever with ``ref_cnt == 0``. Detected by count (O(1));
+        the scan runs only when the counts disagree.
+        """
+        expected = self.ledger.num_free + len(self._cached) + len(self._stranded)
+        actual = self.free_block_queue.num_free_blocks
+        if actual == expected:
+            return
+        popped = [
+            b.block_id
+            for b in self.blocks
+            if not b.is_null
+            and b.ref_cnt == 0
+            and b.prev_free_block is None
+            and not self.ledger.is_held(b.block_id)
+        ]
+        if actual > expected or len(popped) != expected - actual:
+            raise InvariantError(
+                f"free queue holds {actual} blocks, kvcached expects {expected} "
+                f"({len(popped)} CLEAN blocks are outside the queue)"
+            )
+        self.ledger.hold(popped, wait=True)
+
+    # ---- diagnostics -------------------------------------------------------------------
+    def state_of(self, block_id: int) -> str:
+        """``"null" | "live" | "cached" | "stranded" | "clean"`` (for tests and debugging)."""
+        block = self.blocks[block_id]
+        if block.is_null:
+            return "null"
+        if block_id in self._cached:
+            return "cached"
+        if block_id in self._stranded:
+            return "stranded"
+        return "live" if self.ledger.is_held(block_id) else "clean"
+
+    def check(self) -> None:
+        """Verify every invariant in the module docstring (tests call this)."""
+        self.ledger.check()
+        if not self.ledger.is_held(self.null_block.block_id):
+            raise InvariantError("null block is not pinned")
+        in_queue: list[int] = []
+        node = self.free_block_queue.fake_free_list_head.next_free_block
+        while node is not None and node is not self.free_block_queue.fake_free_list_tail:
+            in_queue.append(node.block_id)
+            node = node.next_free_block
+        if len(in_queue) != self.free_block_queue.num_free_blocks:
+            raise InvariantError("free queue length disagrees with num_free_blocks")
+        seen_hashed_region = False
+        for bid in in_queue:
+            clean = bid not in self._cached and bid not in self._stranded
+            if clean and seen_hashed_region:
+                raise InvariantError(f"CLEAN block {bid} after the hashed region of the free queue")
+            seen_hashed_region |= not clean
+        queued = set(in_queue)
+        for block in self.blocks:
+            bid = block.block_id
+            if block.is_null:
+                continue
+            state = self.state_of(bid)
+            hashed = block.block_hash is not None
+            ok = {
+                "cached": block.ref_cnt == 0 and hashed and bid in queued,
+                "stranded": block.ref_cnt == 0 and not hashed and bid in queued,
+                "clean": block.ref_cnt == 0 and not hashed and bid in queued,
+                "live": block.ref_cnt > 0 or bid not in queued,
+            }[state]
+            if not ok:
+                raise InvariantError(f"block {bid} state {state} disagrees with {block!r}")
+            if state != "clean" and not self.ledger.is_backed(bid):
+                raise InvariantError(f"{state} block {bid} sits on an unmapped page")
+
+    def close(self) -> None:
+        """Forget the stats entry and unmap every page (engine teardown)."""
+        unregister_stats(self._stats_key)
+        self.page_pool.close()
+
+
+def kv_space_claim(num_blocks: int) -> KvSpace:
+    """The KV space the worker published for ``num_blocks`` blocks, or IntegrationError."""
+    space = claim(num_blocks)
+    if space is None:
+        raise IntegrationError(
+            "no KV space was published by the kvcached worker seam before the scheduler built "
+            "its block pool (is the worker side installed, and is tensor parallelism 1?)"
+        )
+    return space

@@ -1,0 +1,154 @@
+"""The one table of vLLM version differences kvcached depends on.
+
+This is the only module that compares vLLM versions. Every other module asks for a
+`Capabilities` value and branches on its fields, so a new vLLM release is supported by
+adding rows here (and tests), never by scattering version checks.
+
+Rows (first vLLM minor series that has the behaviour; the contract notes in
+``docs/`` give the source lines):
+
+========================  ===========  ==================================================
+field                     series       meaning
+========================  ===========  ==================================================
+(supported range)         0.26-0.29    the native ``BlockPool`` contract `ElasticBlockPool`
+                                       subclasses (constructor, hash hooks, free queue)
+native_prefix_metadata    0.26+        partial prefix entries, hash aliases,
+                                       ``move_block_hashes``, copy-on-write copies
+logical_block_copy        0.26+        the worker copies logical blocks
+                                       (``copy_kv_cache_blocks_inplace``)
+raw_mamba_pages           0.27+        Mamba layers bind one raw page tensor
+                                       (``MambaBase.bind_kv_cache``)
+allocate_kv_cache         0.29+        KV tensors come from ``utils.allocate_kv_cache``;
+                                       ``_allocate_kv_cache_tensors`` is gone
+is_block_writable         0.29+        ``BlockPool.is_block_writable`` exists
+free_order                per series   where ``BlockPool.free_blocks`` puts freed blocks
+========================  ===========  ==================================================
+
+Version strings are parsed strictly (PEP 440); the policy for suffixes is deliberate:
+
+* a *local label* (``0.28.0+cpu``, ``0.28.0+cu129``) is ignored: it names a build variant
+  of the same released source (the CPU and CUDA 0.28.0 wheels are identical in every
+  file this table describes);
+* *patch* and *post* releases (``0.27.1``, ``0.28.0.post1``) belong to their minor series:
+  the table is per minor series and patch releases have not changed these contracts;
+* *pre-releases and dev builds* (``0.29.0rc1``, ``0.28.1.dev12+g1234``) are rejected: their
+  code sits somewhere between two rows and nothing here can say which behaviour they have;
+* anything that is not a PEP 440 version, or has an epoch, is rejected (no guessing).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from packaging.version import InvalidVersion, Version
+
+from kvcached.errors import IntegrationError
+
+Series = tuple[int, int]
+
+#: Supported vLLM minor series, inclusive. This is the native-pool compatibility range.
+SUPPORTED: tuple[Series, Series] = ((0, 26), (0, 29))
+
+
+class FreeOrder(enum.Enum):
+    """Where ``BlockPool.free_blocks`` queues blocks that reach ``ref_cnt == 0``.
+
+    "front" blocks are reused first (``prepend_n``); "back" blocks are reused last
+    (``append_n``, LRU order for eviction). Every policy shares the property
+    `ElasticBlockPool` relies on: with caching on, unhashed blocks go to the front and
+    hashed blocks to the back (with caching off no block is ever hashed).
+    """
+
+    #: 0.26: unhashed -> front, hashed -> back.
+    UNHASHED_FRONT = "unhashed_front"
+    #: 0.27: unhashed with caching on -> front; everything else (all blocks when caching
+    #: is off) -> back.
+    UNHASHED_FRONT_IF_CACHING = "unhashed_front_if_caching"
+    #: 0.28+: unhashed, or caching off -> front; hashed with caching on -> back.
+    UNHASHED_OR_UNCACHED_FRONT = "unhashed_or_uncached_front"
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What the running vLLM provides. Built only by `capabilities_for` / `detect`.
+
+    Invariant: ``SUPPORTED[0] <= series <= SUPPORTED[1]``.
+    """
+
+    version: str
+    series: Series
+    native_prefix_metadata: bool
+    logical_block_copy: bool
+    raw_mamba_pages: bool
+    allocate_kv_cache: bool
+    is_block_writable: bool
+    free_order: FreeOrder
+
+
+# field -> first series that has it (all rows hold through the end of SUPPORTED).
+_FIRST: dict[str, Series] = {
+    "native_prefix_metadata": (0, 26),
+    "logical_block_copy": (0, 26),
+    "raw_mamba_pages": (0, 27),
+    "allocate_kv_cache": (0, 29),
+    "is_block_writable": (0, 29),
+}
+
+# (first series, policy), ascending; the last row not after the series applies.
+_FREE_ORDER: tuple[tuple[Series, FreeOrder], ...] = (
+    ((0, 26), FreeOrder.UNHASHED_FRONT),
+    ((0, 27), FreeOrder.UNHASHED_FRONT_IF_CACHING),
+    ((0, 28), FreeOrder.UNHASHED_OR_UNCACHED_FRONT),
+)
+
+
+def _range_text() -> str:
+    lo, hi = SUPPORTED
+    return f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}"
+
+
+def parse_series(version: str) -> Series:
+    """The minor series ``(major, minor)`` of a vLLM version string, per the module policy.
+
+    Raises `IntegrationError` for strings that are not PEP 440 versions, epochs,
+    pre-releases and dev builds.
+    """
+    if not isinstance(version, str):
+        raise IntegrationError(f"vLLM version must be a string, got {version!r}")
+    try:
+        parsed = Version(version.strip())
+    except InvalidVersion:
+        raise IntegrationError(
+            f"cannot parse vLLM version {version!r}; kvcached supports vLLM {_range_text()}"
+        ) from None
+    if parsed.epoch != 0:
+        raise IntegrationError(f"vLLM version {version!r} has an epoch; kvcached does not guess")
+    if parsed.is_prerelease or parsed.is_devrelease:
+        raise IntegrationError(
+            f"vLLM {version!r} is a pre-release or dev build; its behaviour may sit between "
+            f"two released series, so kvcached does not guess. Supported: released vLLM "
+            f"{_range_text()}"
+        )
+    release = parsed.release
+    return (release[0], release[1] if len(release) > 1 else 0)
+
+
+def capabilities_for(version: str) -> Capabilities:
+    """The capabilities of vLLM ``version``; `IntegrationError` if unsupported or unparsable."""
+    series = parse_series(version)
+    lo, hi = SUPPORTED
+    if not lo <= series <= hi:
+        raise IntegrationError(
+            f"vLLM {version} is not supported; kvcached supports vLLM {_range_text()}"
+        )
+    free_order = next(order for first, order in reversed(_FREE_ORDER) if first <= series)
+    flags = {name: first <= series for name, first in _FIRST.items()}
+    return Capabilities(version=version, series=series, free_order=free_order, **flags)
+
+
+def detect() -> Capabilities:
+    """The capabilities of the vLLM installed in this process (reads ``vllm.__version__``)."""
+    import vllm
+
+    return capabilities_for(vllm.__version__)

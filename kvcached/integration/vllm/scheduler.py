@@ -1,0 +1,312 @@
+"""Scheduler-side seams: where kvcached enters vLLM's EngineCore.
+
+Four attributes are replaced (`install`), each restored exactly by `uninstall`:
+
+``vllm.v1.core.kv_cache_coordinator.BlockPool``
+    The coordinator builds its one GPU pool through this module-level name. It becomes
+    `elastic_block_pool`, which reads the hash granularity from the native constructor
+    arguments *before* kvcached initializes anything and then builds an
+    `ElasticBlockPool` with exactly those arguments. A missing or invalid
+    ``hash_block_size`` raises `IntegrationError` (a `RuntimeError`), which propagates out
+    of the coordinator: substituting the allocation block size could tie a physical block
+    to the wrong prefix. Every supported vLLM (0.26-0.29) passes it, so there is no
+    legacy fallback.
+
+``KVCacheCoordinator.get_num_blocks_to_allocate``
+    Inside ``allocate_slots``, notes the demand of the admission check that follows on
+    the elastic pool, together with the prefix hits it will touch, so the pool's next
+    ``get_num_free_blocks`` can map pages for it in one batch. Calls outside an
+    admission (the scheduler's own estimates) note nothing.
+
+``KVCacheManager.allocate_slots`` (the exhaustion seam)
+    Supplies headroom (``watermark_blocks`` + ``reserved_blocks``) and the fault-injection
+    site of this physical admission: ``"cow_admission"`` (after firing the trigger
+    ``"partial_prefix_hit"``) when the request's local prefix hit ends inside a block, else
+    ``"admission"``. Physical exhaustion surfaces as a smaller free count, so vLLM's own
+    check returns ``None``: a scheduling miss, never an exception in EngineCore.
+
+``Scheduler.schedule`` / ``Scheduler.update_from_output`` (the step fence)
+    A page may be read or written by any step scheduled but not yet executed (async
+    scheduling runs one step ahead; copy-on-write retentions are released right after
+    scheduling, before the worker has copied). ``schedule`` calls ``fence.begin_step()``
+    *before* the original, so a page emptied while scheduling step N gets ticket N;
+    ``update_from_output`` calls ``fence.end_step()`` *after* the original and then
+    ``pool.collect()``, which unmaps only pages whose ticket has passed. vLLM 0.28's
+    EngineCore matches every ``schedule()`` with exactly one ``update_from_output()`` in
+    both ``step`` and ``step_with_batch_queue`` (a batch whose sampling is deferred is
+    re-queued and processed later), so the counters stay paired. ``AsyncScheduler``
+    inherits both methods; `install` refuses a vLLM where a subclass overrides them.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvcached.errors import IntegrationError
+from kvcached.integration.vllm.block_pool import ElasticBlockPool
+from kvcached.integration.vllm.capabilities import Capabilities
+
+_MISSING: Any = object()
+
+
+@dataclass(frozen=True, slots=True)
+class _Patch:
+    owner: Any
+    name: str
+    original: Any  # the owner's own attribute (``owner.__dict__``), or _MISSING
+
+
+_lock = threading.Lock()
+_patches: list[_Patch] = []
+_caps: Capabilities | None = None
+_enabled = False
+
+
+# ---- the pool factory ---------------------------------------------------------------
+def _native_pool_signature() -> inspect.Signature:
+    from vllm.v1.core.block_pool import BlockPool
+
+    return inspect.signature(BlockPool)
+
+
+def hash_block_size_from(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """The hash granularity in the native ``BlockPool`` constructor arguments.
+
+    Raises `IntegrationError` when it is missing or not a positive ``int``.
+    """
+    try:
+        bound = _native_pool_signature().bind(*args, **kwargs)
+    except TypeError as exc:
+        raise IntegrationError(
+            f"vLLM built its block pool without valid constructor arguments ({exc}); "
+            "kvcached needs the native hash_block_size and will not substitute the block size"
+        ) from exc
+    value = bound.arguments.get("hash_block_size", _MISSING)
+    if value is _MISSING:
+        raise IntegrationError("the native BlockPool arguments carry no hash_block_size")
+    if type(value) is not int or value <= 0:
+        raise IntegrationError(
+            f"invalid native hash_block_size={value!r}: expected a positive int"
+        )
+    return value
+
+
+def elastic_block_pool(*args: Any, **kwargs: Any) -> Any:
+    """Replacement for the coordinator's ``BlockPool``: validate, then build the elastic pool.
+
+    When the seams were installed disabled it builds vLLM's own pool, untouched.
+    """
+    if not _enabled:
+        from vllm.v1.core.block_pool import BlockPool
+
+        return BlockPool(*args, **kwargs)
+    hash_block_size_from(args, kwargs)
+    return ElasticBlockPool(*args, **kwargs)
+
+
+# ---- wrappers -------------------------------------------------------------------------
+def _elastic_pool(obj: Any) -> ElasticBlockPool | None:
+    pool = getattr(obj, "block_pool", None)
+    return pool if isinstance(pool, ElasticBlockPool) else None
+
+
+def _readable_signature(original: Callable[..., Any], qualname: str, names: tuple[str, ...]) -> inspect.Signature:
+    """The signature the seam binds calls against; it must name ``names``.
+
+    Follows ``__wrapped__``. A foreign wrapper that hides the parameters (``*args``
+    without ``functools.wraps``) is refused at install instead of misread at run time.
+    """
+    signature = inspect.signature(original)
+    missing = [n for n in names if n not in signature.parameters]
+    if missing:
+        raise IntegrationError(
+            f"{qualname} has signature {signature}, without {missing}; it was replaced by a wrapper "
+            "kvcached cannot read (use functools.wraps)"
+        )
+    return signature
+
+
+def _wrap_get_num_blocks_to_allocate(original: Callable[..., int]) -> Callable[..., int]:
+    signature = _readable_signature(original, "KVCacheCoordinator.get_num_blocks_to_allocate",
+                                    ("new_computed_blocks",))
+
+    @functools.wraps(original)
+    def get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> int:
+        num_blocks = original(self, *args, **kwargs)
+        pool = _elastic_pool(self)
+        # Only admission's own checks are demand; the scheduler also asks for estimates
+        # (``_request_remaining_blocks``) that must not map anything.
+        if pool is not None and pool.in_admission:
+            bound = signature.bind(self, *args, **kwargs)
+            pool.note_demand(num_blocks, bound.arguments["new_computed_blocks"])
+        return num_blocks
+
+    return get_num_blocks_to_allocate
+
+
+def _partial_prefix_hit(manager: Any, request: Any, num_new_computed_tokens: int,
+                        new_computed_blocks: Any) -> bool:
+    """Whether the request's local prefix hit ends inside a block of some group.
+
+    Mirrors vLLM's ``SingleTypeKVCacheManager._has_partial_local_hit``: such a hit makes
+    the manager allocate a copy-on-write block for the shared tail.
+    """
+    if new_computed_blocks is None:
+        return False
+    num_local = request.num_computed_tokens + num_new_computed_tokens
+    managers = manager.coordinator.single_type_managers
+    for group, blocks in enumerate(new_computed_blocks.blocks):
+        if len(blocks) > 0 and num_local % managers[group].block_size != 0:
+            return True
+    return False
+
+
+def _wrap_allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = _readable_signature(original, "KVCacheManager.allocate_slots",
+                                    ("request", "num_new_computed_tokens", "new_computed_blocks", "reserved_blocks"))
+
+    @functools.wraps(original)
+    def allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
+        pool = _elastic_pool(self)
+        if pool is None:
+            return original(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        site = "admission"
+        if _partial_prefix_hit(self, a["request"], a["num_new_computed_tokens"], a["new_computed_blocks"]):
+            site = "cow_admission"
+            pool.trigger("partial_prefix_hit")
+        with pool.admission(watermark=self.watermark_blocks, reserved=a["reserved_blocks"], site=site):
+            return original(self, *args, **kwargs)
+
+    return allocate_slots
+
+
+def _scheduler_pool(scheduler: Any) -> ElasticBlockPool | None:
+    return _elastic_pool(getattr(scheduler, "kv_cache_manager", None))
+
+
+def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        pool = _scheduler_pool(self)
+        if pool is not None:
+            pool.fence.begin_step()
+        return original(self, *args, **kwargs)
+
+    return schedule
+
+
+def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outputs = original(self, *args, **kwargs)
+        pool = _scheduler_pool(self)
+        if pool is not None:
+            pool.fence.end_step()
+            pool.collect()
+        return outputs
+
+    return update_from_output
+
+
+# ---- install / uninstall --------------------------------------------------------------
+def _own(owner: Any, name: str) -> Any:
+    return vars(owner).get(name, _MISSING)
+
+
+def _subclasses(cls: type) -> list[type]:
+    out: list[type] = []
+    direct: list[type] = cls.__subclasses__()
+    for sub in direct:
+        out.append(sub)
+        out.extend(_subclasses(sub))
+    return out
+
+
+def _require_own_method(cls: type, name: str) -> Callable[..., Any]:
+    """``cls.name`` must be defined on ``cls`` and overridden by no subclass."""
+    method = _own(cls, name)
+    if method is _MISSING or not callable(method):
+        raise IntegrationError(f"{cls.__qualname__}.{name} is not defined where kvcached expects it")
+    for sub in _subclasses(cls):
+        if name in vars(sub):
+            raise IntegrationError(
+                f"{sub.__qualname__} overrides {cls.__qualname__}.{name}; kvcached's seam would miss it"
+            )
+    return method
+
+
+def _plan() -> list[tuple[Any, str, Any]]:
+    """(owner, attribute, replacement) for every seam, after checking vLLM's shape."""
+    from vllm.v1.core import block_pool, kv_cache_coordinator, kv_cache_manager
+    from vllm.v1.core.sched import scheduler
+
+    if kv_cache_coordinator.BlockPool is not block_pool.BlockPool:
+        raise IntegrationError(
+            "vllm.v1.core.kv_cache_coordinator.BlockPool is not vLLM's BlockPool; "
+            "another plugin already replaced it"
+        )
+    if "hash_block_size" not in _native_pool_signature().parameters:
+        raise IntegrationError("vLLM's BlockPool takes no hash_block_size; this vLLM is not supported")
+    coordinator = kv_cache_coordinator.KVCacheCoordinator
+    manager = kv_cache_manager.KVCacheManager
+    sched = scheduler.Scheduler
+    return [
+        (kv_cache_coordinator, "BlockPool", elastic_block_pool),
+        (coordinator, "get_num_blocks_to_allocate",
+         _wrap_get_num_blocks_to_allocate(_require_own_method(coordinator, "get_num_blocks_to_allocate"))),
+        (manager, "allocate_slots", _wrap_allocate_slots(_require_own_method(manager, "allocate_slots"))),
+        (sched, "schedule", _wrap_schedule(_require_own_method(sched, "schedule"))),
+        (sched, "update_from_output",
+         _wrap_update_from_output(_require_own_method(sched, "update_from_output"))),
+    ]
+
+
+def install(caps: Capabilities, *, enabled: bool = True) -> None:
+    """Replace the scheduler-side attributes; idempotent. Nothing is patched on error.
+
+    Installed with ``enabled=False`` every seam delegates to vLLM (the coordinator gets
+    vLLM's own pool), so tools can install the seams without changing behaviour.
+    Installing again with other capabilities or another switch raises `IntegrationError`.
+    """
+    global _caps, _enabled
+    with _lock:
+        if _patches:
+            if (caps, enabled) != (_caps, _enabled):
+                raise IntegrationError("scheduler seams are already installed with other settings")
+            return
+        plan = _plan()  # validates everything before the first setattr
+        for owner, name, replacement in plan:
+            _patches.append(_Patch(owner, name, _own(owner, name)))
+            setattr(owner, name, replacement)
+        _caps, _enabled = caps, enabled
+
+
+def uninstall() -> None:
+    """Restore every replaced attribute exactly (in reverse order); idempotent."""
+    global _caps, _enabled
+    with _lock:
+        while _patches:
+            patch = _patches.pop()
+            if patch.original is _MISSING:
+                delattr(patch.owner, patch.name)
+            else:
+                setattr(patch.owner, patch.name, patch.original)
+        _caps, _enabled = None, False
+
+
+def installed_capabilities() -> Capabilities | None:
+    """The capabilities the seams were installed for, or None when not installed."""
+    return _caps
+
+
+def is_enabled() -> bool:
+    """Whether the installed seams act (False: not installed, or installed disabled)."""
+    return _enabled

@@ -1,0 +1,115 @@
+"""The coordinator seam: vLLM's own coordinator builds an `ElasticBlockPool` with the
+native constructor arguments, and bad hash granularity stops it before kvcached starts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.v1.core import kv_cache_coordinator
+from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+import kvcached
+from kvcached import space as kv_space
+from kvcached.errors import IntegrationError
+from kvcached.integration.vllm import capabilities, scheduler
+from kvcached.integration.vllm.block_pool import ElasticBlockPool
+from kvcached.space import KvSpace, plan_geometry
+
+_vmm = pytest.importorskip("kvcached._vmm", reason="native extension not built")
+
+PAGE = 4096
+NUM_BLOCKS = 32
+
+
+def full(block_size: int = 16) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
+
+
+def config(*specs: object) -> KVCacheConfig:
+    groups = [KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(specs)]  # type: ignore[arg-type]
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def coordinator(cfg: KVCacheConfig, *, caching: bool = True, scheduler_block_size: int = 16,
+                hash_block_size: object = 16) -> kv_cache_coordinator.KVCacheCoordinator:
+    return get_kv_cache_coordinator(
+        kv_cache_config=cfg, max_model_len=1024, max_in_flight_tokens=1024, use_eagle=False,
+        enable_caching=caching, enable_kv_cache_events=True, dcp_world_size=1, pcp_world_size=1,
+        scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+def published():
+    """Scheduler seams installed and a worker-side KV space published, as at TP=1."""
+    geometry = plan_geometry([1024], NUM_BLOCKS, PAGE)
+    vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE)
+    space = KvSpace(geometry, (vrange,))
+    kv_space.publish(space)
+    scheduler.install(capabilities.detect())
+    pools: list[ElasticBlockPool] = []
+    yield pools
+    scheduler.uninstall()
+    kv_space.withdraw(space)
+    for pool in pools:
+        pool.close()
+    vrange.close()
+
+
+def test_coordinator_builds_an_elastic_pool_with_native_arguments(published) -> None:
+    coord = coordinator(config(full()))
+    pool = coord.block_pool
+    published.append(pool)
+    assert isinstance(pool, ElasticBlockPool)
+    assert (pool.num_gpu_blocks, pool.enable_caching, pool.hash_block_size, pool.enable_kv_cache_events) == (
+        NUM_BLOCKS, True, 16, True)
+    assert coord.single_type_managers[0].block_pool is pool
+
+
+def test_hybrid_coordinator_keeps_a_hash_granularity_finer_than_the_block(published) -> None:
+    cfg = config(full(16), SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32,
+                                             sliding_window=32))
+    coord = coordinator(cfg, hash_block_size=4)
+    published.append(coord.block_pool)
+    assert isinstance(coord.block_pool, ElasticBlockPool)
+    assert coord.block_pool.hash_block_size == 4  # never the 16-token allocation block
+
+
+def test_uncached_coordinator_passes_its_hash_granularity_through(published) -> None:
+    coord = coordinator(config(full()), caching=False, hash_block_size=8)
+    published.append(coord.block_pool)
+    assert coord.block_pool.hash_block_size == 8 and coord.block_pool.enable_caching is False
+
+
+@pytest.mark.parametrize("bad", [True, 4.0, 16.0])
+def test_invalid_hash_granularity_propagates_out_of_the_coordinator(published, bad: object) -> None:
+    before = set(kvcached.stats())
+    with pytest.raises(RuntimeError, match="hash_block_size"):
+        coordinator(config(full()), hash_block_size=bad)
+    assert set(kvcached.stats()) == before, "kvcached must not initialize on bad metadata"
+
+
+@pytest.mark.parametrize("kwargs", [
+    {},  # absent
+    {"hash_block_size": None},
+    {"hash_block_size": 0},
+    {"hash_block_size": -4},
+    {"hash_block_size": "4"},
+])
+def test_absent_or_invalid_hash_granularity_raises_at_the_seam(published, kwargs: dict) -> None:
+    seam = kv_cache_coordinator.BlockPool  # what the coordinator calls
+    with pytest.raises(IntegrationError) as info:
+        seam(num_gpu_blocks=NUM_BLOCKS, enable_caching=True, enable_kv_cache_events=False, **kwargs)
+    assert isinstance(info.value, RuntimeError)
+    assert "hash_block_size" in str(info.value)
+
+
+def test_no_published_space_is_an_integration_error() -> None:
+    scheduler.install(capabilities.detect())
+    try:
+        with pytest.raises(IntegrationError, match="no KV space was published"):
+            coordinator(config(full()))
+    finally:
+        scheduler.uninstall()

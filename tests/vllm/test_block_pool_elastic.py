@@ -1,0 +1,288 @@
+"""`ElasticBlockPool` behaviour that the differential test cannot show: physical limits,
+the cached cap, STRANDED blocks, reclaim, the fence, foreign queue pops, injected faults.
+
+Every pool runs on a real CPU `VirtualRange` (memfd-backed) with a physical `Budget`.
+Geometry: 4 blocks per kv page; block 0 is the null block, pinned on page 0.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.request import Request
+
+from kvcached.config import KvcachedConfig
+from kvcached.errors import InvariantError, PhysicalMemoryExhausted
+from kvcached.faults import FaultInjector
+from kvcached.fence import StepFence
+from kvcached.integration.vllm.block_pool import ElasticBlockPool
+from kvcached.space import KvSpace, plan_geometry
+
+_vmm = pytest.importorskip("kvcached._vmm", reason="native extension not built")
+
+PAGE = 4096
+STRIDE = 1024  # 4 blocks per kv page
+BLOCK = 16
+
+init_none_hash(sha256)
+_ids = itertools.count()
+
+
+def make_request(tokens: list[int], hash_block_size: int = BLOCK) -> Request:
+    return Request(
+        request_id=f"e{next(_ids)}",
+        prompt_token_ids=list(tokens),
+        sampling_params=SamplingParams(max_tokens=64),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(hash_block_size, sha256),
+    )
+
+
+class Rig:
+    """An elastic pool over a budgeted CPU range (closed by the fixture)."""
+
+    def __init__(self, num_blocks: int = 16, budget_pages: int | None = None, hash_block_size: int = BLOCK,
+                 faults: FaultInjector | None = None, **cfg: object) -> None:
+        geometry = plan_geometry([STRIDE], num_blocks, PAGE)
+        assert geometry.blocks_per_page == 4
+        self.budget = _vmm.Budget(budget_pages * PAGE) if budget_pages is not None else None
+        self.vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE, self.budget)
+        config = KvcachedConfig(page_size=PAGE, **{"min_reserve_pages": 0, "max_reserve_pages": 0,
+                                                   "capacity_ttl_s": 0.0, "map_retries": 0, **cfg})
+        self.fence = StepFence()
+        self.pool = ElasticBlockPool(num_gpu_blocks=num_blocks, enable_caching=True,
+                                     hash_block_size=hash_block_size, enable_kv_cache_events=True,
+                                     kv_space=KvSpace(geometry, (self.vrange,)), config=config,
+                                     faults=faults, fence=self.fence, name="test")
+
+    def mapped(self) -> list[int]:
+        return self.vrange.mapped_pages()
+
+    def snapshot(self) -> tuple[object, ...]:
+        pool = self.pool
+        return (pool.free_block_queue.num_free_blocks, pool.ledger.num_held, self.mapped(),
+                [b.ref_cnt for b in pool.blocks], [pool.state_of(b.block_id) for b in pool.blocks],
+                len(pool.kv_event_queue))
+
+    def close(self) -> None:
+        self.pool.close()
+        self.vrange.close()
+
+
+@pytest.fixture
+def rigs():
+    made: list[Rig] = []
+
+    def make(**kwargs: object) -> Rig:
+        made.append(Rig(**kwargs))  # type: ignore[arg-type]
+        return made[-1]
+
+    yield make
+    for rig in made:
+        rig.close()
+
+
+def cached_request(pool: BlockPool, num_blocks: int, first_token: int = 1) -> list:
+    """Allocate, fill and cache ``num_blocks`` full blocks of a fresh request."""
+    request = make_request(list(range(first_token, first_token + num_blocks * BLOCK)))
+    blocks = pool.get_new_blocks(num_blocks)
+    pool.cache_full_blocks(request, blocks, 0, num_blocks, BLOCK, 0)
+    return blocks
+
+
+def test_partial_entry_promotion_with_hash_granularity_4() -> None:
+    """hash_block_size=4 < block size 16: native partial entry, then partial -> full promotion."""
+    rig = Rig(hash_block_size=4)
+    native = BlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=4, enable_kv_cache_events=True)
+    try:
+        request = make_request(list(range(100, 124)), hash_block_size=4)  # 24 tokens, 6 fine hashes
+        pools = (native, rig.pool)
+        blocks = [pool.get_new_blocks(2) for pool in pools]
+        for pool, bl in zip(pools, blocks, strict=True):
+            pool.cache_full_blocks(request, bl, 0, 1, BLOCK, 0)
+            pool.cache_partial_block(request, bl[1], 20, 0, BLOCK)  # ends inside block 1
+            assert bl[1].block_hash_num_tokens == 20
+            assert pool.get_cached_block(request.block_hashes[4], [0]) == [bl[1]]
+        request.append_output_token_ids(list(range(8)))  # 32 tokens: block 1 is full
+        for pool, bl in zip(pools, blocks, strict=True):
+            pool.cache_full_blocks(request, bl, 1, 2, BLOCK, 0)  # promotion
+            assert bl[1].block_hash_num_tokens == 32
+            assert pool.get_cached_block(request.block_hashes[4], [0]) is None
+            assert pool.get_cached_block(request.block_hashes[7], [0]) == [bl[1]]
+            pool.free_blocks(reversed(bl))
+        assert native.take_events() == rig.pool.take_events()
+        assert [rig.pool.state_of(b.block_id) for b in blocks[1]] == ["cached", "cached"]
+        rig.pool.check()
+    finally:
+        rig.close()
+
+
+def test_get_new_blocks_that_must_map_and_cannot_changes_nothing(rigs) -> None:
+    rig = rigs(budget_pages=2)
+    pool = rig.pool
+    first = pool.get_new_blocks(7)  # pages 0 (with the null block) and 1: the whole budget
+    assert rig.mapped() == [0, 1]
+    before = rig.snapshot()
+    with pytest.raises(PhysicalMemoryExhausted):
+        pool.get_new_blocks(1)
+    assert rig.snapshot() == before
+    pool.check()
+    pool.free_blocks(first)
+    assert len(pool.get_new_blocks(1)) == 1
+
+
+def test_free_count_reports_only_backable_blocks(rigs) -> None:
+    rig = rigs(budget_pages=2)
+    pool = rig.pool
+    native_free = pool.free_block_queue.num_free_blocks
+    assert native_free == 15
+    assert pool.get_num_free_blocks() == 3  # only page 0 is mapped (null block pinned)
+    pool.note_demand(5)
+    assert pool.get_num_free_blocks() == 7  # mapped one more page for the demand
+    assert rig.mapped() == [0, 1]
+    pool.note_demand(10)
+    assert pool.get_num_free_blocks() == 7  # the budget allows no more: a scheduling miss
+    pool.note_demand(pool.num_gpu_blocks + 1)  # MambaManager's "not this step" sentinel
+    rig.budget.limit = 8 * PAGE
+    assert pool.get_num_free_blocks() == 7 and rig.mapped() == [0, 1]  # sentinel maps nothing
+    pool.note_demand(15)
+    assert pool.get_num_free_blocks() == 15 == native_free  # all CLEAN blocks backed: native count
+
+
+def test_cached_cap_evicts_page_aware_and_gives_pages_back(rigs) -> None:
+    rig = rigs(max_cached_blocks=2)
+    pool = rig.pool
+    blocks = cached_request(pool, 4)  # ids 1, 2, 3 on page 0 and 4 on page 1
+    assert [b.block_id for b in blocks] == [1, 2, 3, 4]
+    pool.take_events()
+    pool.free_blocks(reversed(blocks))
+    # Page 1 holds only one free cached block: evicting it empties the page, so it goes first.
+    states = {b.block_id: pool.state_of(b.block_id) for b in blocks}
+    assert list(states.values()).count("cached") == 2
+    assert states[4] == "clean"
+    events = pool.take_events()
+    assert len(events) == 2 and all(type(e).__name__ == "BlockRemoved" for e in events)
+    pool.collect()
+    assert rig.mapped() == [0]
+    pool.check()
+
+
+def test_stranded_block_keeps_its_page_until_taken_or_reset(rigs) -> None:
+    rig = rigs()
+    pool = rig.pool
+    blocks = cached_request(pool, 4)
+    pool.free_blocks(reversed(blocks))
+    pool.evict_blocks({4})
+    assert pool.state_of(4) == "stranded"
+    pool.collect()
+    assert rig.mapped() == [0, 1], "a STRANDED block keeps its page mapped"
+    pool.check()
+    assert pool.reset_prefix_cache() is True
+    assert {pool.state_of(b.block_id) for b in blocks} == {"clean"}
+    pool.collect()
+    assert rig.mapped() == [0]
+    pool.check()
+
+
+def test_positional_take_reuses_stranded_and_cached_blocks_in_native_order(rigs) -> None:
+    rig = rigs(num_blocks=8)
+    native = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=BLOCK, enable_kv_cache_events=True)
+    pools = (native, rig.pool)
+    held = [cached_request(pool, 7) for pool in pools]
+    for pool, blocks in zip(pools, held, strict=True):
+        pool.free_blocks(reversed(blocks))
+        pool.evict_blocks({blocks[-1].block_id})  # first in LRU order: now STRANDED in elastic
+    taken = [pool.get_new_blocks(3) for pool in pools]
+    assert [b.block_id for b in taken[0]] == [b.block_id for b in taken[1]]  # same ids: no CLEAN block left
+    assert native.take_events() == rig.pool.take_events()
+    rig.pool.check()
+
+
+def test_reclaim_turns_idle_cache_into_room_when_memory_is_short(rigs) -> None:
+    rig = rigs(budget_pages=2)
+    pool = rig.pool
+    blocks = cached_request(pool, 7)  # fills pages 0 and 1: the whole budget
+    hit = blocks[0]
+    pool.free_blocks(reversed(blocks))
+    pool.take_events()
+    assert pool.get_num_free_blocks() == 0  # every CLEAN block is on an unmapped page
+    pool.note_demand(3, ([hit],))  # the admission would touch `hit`: it must survive
+    assert pool.get_num_free_blocks() == 3
+    new = pool.get_new_blocks(3)
+    assert hit.block_hash is not None and pool.state_of(hit.block_id) == "cached"
+    assert len(pool.take_events()) == 3  # three cached blocks were evicted natively
+    assert rig.mapped() == [0, 1]
+    assert all(pool.ledger.is_backed(b.block_id) for b in new)
+    pool.check()
+
+
+def test_unmap_waits_for_steps_in_flight(rigs) -> None:
+    rig = rigs()
+    pool = rig.pool
+    blocks = pool.get_new_blocks(7)
+    rig.fence.begin_step()  # a step that may use these blocks is scheduled...
+    pool.free_blocks(blocks)  # ...and they are freed (e.g. CoW retention released) before it runs
+    assert pool.collect() == 0
+    assert rig.mapped() == [0, 1]
+    rig.fence.end_step()
+    assert pool.collect() == 1
+    assert rig.mapped() == [0]
+
+
+def test_blocks_popped_behind_the_pools_back_are_adopted(rigs) -> None:
+    rig = rigs()
+    pool = rig.pool
+    sink = pool.free_block_queue.popleft_n(2)  # as SinkFullAttentionManager does
+    assert pool.get_num_free_blocks() <= pool.free_block_queue.num_free_blocks
+    assert all(pool.ledger.is_held(b.block_id) and pool.ledger.is_backed(b.block_id) for b in sink)
+    assert all(pool.state_of(b.block_id) == "live" for b in sink)
+    pool.check()
+
+
+def test_injected_admission_fault_is_a_scheduling_miss(rigs) -> None:
+    faults = FaultInjector.from_plans([{"site": "admission", "fail_next": 1}])
+    rig = rigs(faults=faults, min_reserve_pages=2, max_reserve_pages=2)
+    pool = rig.pool
+    with pool.admission(watermark=0, reserved=0, site="admission"):
+        pool.note_demand(2)
+        assert pool.get_num_free_blocks() < 2  # backed blocks exist, yet the attempt misses
+    assert faults.fired("admission") == 1
+    with pool.admission(watermark=0, reserved=0, site="admission"):
+        pool.note_demand(2)
+        assert pool.get_num_free_blocks() >= 2
+
+
+def test_caching_off_pool_reuses_and_returns_pages() -> None:
+    native = BlockPool(num_gpu_blocks=16, enable_caching=False, hash_block_size=BLOCK)
+    geometry = plan_geometry([STRIDE], 16, PAGE)
+    vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE)
+    config = KvcachedConfig(page_size=PAGE, min_reserve_pages=0, max_reserve_pages=0, capacity_ttl_s=0.0)
+    pool = ElasticBlockPool(num_gpu_blocks=16, enable_caching=False, hash_block_size=BLOCK,
+                            kv_space=KvSpace(geometry, (vrange,)), config=config, fence=StepFence(), name="test")
+    try:
+        for n in (5, 9, 15, 2):
+            for p in (native, pool):
+                p.free_blocks(reversed(p.get_new_blocks(n)))
+            assert pool.free_block_queue.num_free_blocks == native.get_num_free_blocks() == 15
+            pool.check()
+        pool.collect()
+        assert vrange.mapped_pages() == [0]
+    finally:
+        pool.close()
+        vrange.close()
+
+
+def test_hashing_a_free_clean_block_is_refused(rigs) -> None:
+    pool = rigs().pool
+    block = pool.get_new_blocks(1)[0]
+    pool.free_blocks([block])
+    request = make_request(list(range(16)))
+    with pytest.raises(InvariantError, match="hashed free block"):
+        pool.cache_full_blocks(request, [block], 0, 1, BLOCK, 0)
+    assert block.block_hash is None
+    pool.check()

@@ -1,0 +1,86 @@
+"""The capability table: supported, unsupported and unparsable vLLM versions."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from kvcached.errors import IntegrationError
+from kvcached.integration.vllm.capabilities import Capabilities, FreeOrder, capabilities_for, detect, parse_series
+
+ROWS: dict[tuple[int, int], dict[str, object]] = {  # from the contract notes (0.27.0 == 0.27.1)
+    (0, 26): {"native_prefix_metadata": True, "logical_block_copy": True, "raw_mamba_pages": False,
+              "allocate_kv_cache": False, "is_block_writable": False, "free_order": FreeOrder.UNHASHED_FRONT},
+    (0, 27): {"native_prefix_metadata": True, "logical_block_copy": True, "raw_mamba_pages": True,
+              "allocate_kv_cache": False, "is_block_writable": False,
+              "free_order": FreeOrder.UNHASHED_FRONT_IF_CACHING},
+    (0, 28): {"native_prefix_metadata": True, "logical_block_copy": True, "raw_mamba_pages": True,
+              "allocate_kv_cache": False, "is_block_writable": False,
+              "free_order": FreeOrder.UNHASHED_OR_UNCACHED_FRONT},
+    (0, 29): {"native_prefix_metadata": True, "logical_block_copy": True, "raw_mamba_pages": True,
+              "allocate_kv_cache": True, "is_block_writable": True,
+              "free_order": FreeOrder.UNHASHED_OR_UNCACHED_FRONT},
+}
+
+
+@pytest.mark.parametrize("version, series", [
+    ("0.26.0", (0, 26)), ("0.27.0", (0, 27)), ("0.27.1", (0, 27)), ("0.28.0", (0, 28)),
+    ("0.29.0", (0, 29)), ("0.28.0+cpu", (0, 28)), ("0.28.0+cu129", (0, 28)),
+    ("0.28.0.post1", (0, 28)), ("0.28.2", (0, 28)), ("0.28", (0, 28)), (" 0.26.0 ", (0, 26)),
+])
+def test_supported_versions(version: str, series: tuple[int, int]) -> None:
+    caps = capabilities_for(version)
+    assert caps.series == series and caps.version == version
+    assert {f.name: getattr(caps, f.name) for f in dataclasses.fields(caps)
+            if f.name not in ("version", "series")} == ROWS[series]
+
+
+@pytest.mark.parametrize("version", ["0.25.2", "0.23.0", "0.9.2", "0.30.0", "1.0.0", "0.30.0+cpu", "2"])
+def test_unsupported_versions_name_the_supported_range(version: str) -> None:
+    with pytest.raises(IntegrationError, match=r"supports vLLM 0\.26 to 0\.29"):
+        capabilities_for(version)
+
+
+@pytest.mark.parametrize("version", ["", "banana", "0.28.x", "v0.28.0-cpu", "0.28.0+", "..", "1!0.28.0"])
+def test_unparsable_versions_are_refused(version: str) -> None:
+    with pytest.raises(IntegrationError):
+        capabilities_for(version)
+
+
+@pytest.mark.parametrize("version", ["0.29.0rc1", "0.28.1.dev12+g1234abc", "0.27.0a1", "0.28.0b2"])
+def test_prereleases_and_dev_builds_are_not_guessed(version: str) -> None:
+    with pytest.raises(IntegrationError, match="pre-release or dev build"):
+        capabilities_for(version)
+
+
+def test_non_string_is_refused() -> None:
+    with pytest.raises(IntegrationError):
+        parse_series(0.28)  # type: ignore[arg-type]
+
+
+def test_capabilities_are_frozen() -> None:
+    caps = capabilities_for("0.28.0")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        caps.raw_mamba_pages = False  # type: ignore[misc]
+
+
+def test_detect_reads_the_installed_vllm() -> None:
+    import vllm
+
+    caps = detect()
+    assert isinstance(caps, Capabilities) and caps.version == vllm.__version__
+    assert caps.series == (0, 28)
+
+
+def test_capabilities_is_the_only_module_that_compares_vllm_versions() -> None:
+    root = Path(__file__).resolve().parents[2] / "kvcached"
+    version_use = re.compile(r"vllm\.__version__|version\(\s*[\'\"]vllm|packaging|_version\b")
+    offenders = [
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if path.name != "capabilities.py" and version_use.search(path.read_text())
+    ]
+    assert offenders == []

@@ -1,0 +1,144 @@
+"""With the plugin disabled, a real vLLM engine runs exactly as with no plugin at all.
+
+Each run is a fresh subprocess (vLLM loads plugins once per process and patches are
+process-wide), with a tiny random Llama and token-id prompts. The child records every
+``KVCacheManager.allocate_slots`` result, so "exactly as native" is checked on block ids,
+not only on output tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ENGINE_ENV = {
+    "VLLM_HOST_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_DO_NOT_TRACK": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_USE_V2_MODEL_RUNNER": "0",
+}
+
+CHILD = textwrap.dedent("""
+    import functools, json, sys
+    model_dir, out_path = sys.argv[1], sys.argv[2]
+
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    calls = []
+    _original = KVCacheManager.allocate_slots
+
+    @functools.wraps(_original)
+    def allocate_slots(self, request, *args, **kwargs):
+        blocks = _original(self, request, *args, **kwargs)
+        ids = None if blocks is None else [list(group) for group in blocks.get_block_ids()]
+        calls.append([request.request_id, ids])
+        return blocks
+
+    KVCacheManager.allocate_slots = allocate_slots
+
+    from vllm import LLM, SamplingParams
+    from vllm.v1.core import block_pool, kv_cache_coordinator
+
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+              block_size=16, enable_prefix_caching=True, max_model_len=512, seed=0,
+              kv_cache_memory_bytes=64 << 20)
+    base = [(7 * i) % 1000 + 1 for i in range(80)]
+    prompts = [base[:70], base[:40] + [5] * 30, base[:64] + [9] * 3, [3] * 20, base[:70]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    reset = llm.reset_prefix_cache()  # sleep mode / RLHF weight updates call this
+    import kvcached
+    import kvcached.integration.vllm.plugin as plugin
+
+    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    fence = getattr(pool, "fence", None)
+    json.dump({
+        "pool_type": type(pool).__name__,
+        "steps": None if fence is None else [fence.scheduled, fence.executed],
+        "kv_bytes": None if fence is None else pool.page_pool.space.kv_page_bytes * pool.page_pool.space.num_kv_pages,
+        "stats": {k: [v.mapped_bytes, v.live_blocks, v.capacity_blocks] for k, v in kvcached.stats().items()},
+        "calls": calls,
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "reset": reset,
+        "plugin_installed": plugin.is_installed(),
+        "native_pool_name": kv_cache_coordinator.BlockPool is block_pool.BlockPool,
+        "allocate_slots_is_test_wrapper": KVCacheManager.allocate_slots is allocate_slots,
+    }, open(out_path, "w"))
+""")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=256, vocab_size=1024, max_position_embeddings=2048)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def run_engine(model: Path, out: Path, **env: str) -> dict:
+    child_env = {k: v for k, v in os.environ.items()
+                 if k not in ("KVCACHED_ENABLE", "ENABLE_KVCACHED", "VLLM_PLUGINS")}
+    child_env.update(ENGINE_ENV)
+    child_env.update(env)
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(model), str(out)], env=child_env, check=False,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def normalized(calls: list) -> list:
+    """Request ids carry per-process parts; number them by first appearance."""
+    order: dict[str, int] = {}
+    return [[order.setdefault(rid, len(order)), ids] for rid, ids in calls]
+
+
+def test_disabled_plugin_is_exactly_native(tiny_llama: Path, tmp_path: Path) -> None:
+    no_plugin = run_engine(tiny_llama, tmp_path / "none.json", VLLM_PLUGINS="")  # no plugin loaded at all
+    disabled = run_engine(tiny_llama, tmp_path / "disabled.json", KVCACHED_ENABLE="0")
+    for run in (no_plugin, disabled):
+        assert run["plugin_installed"] is False
+        assert run["native_pool_name"] is True
+        assert run["allocate_slots_is_test_wrapper"] is True
+    assert disabled["calls"], "the recorder saw no allocation"
+    assert normalized(disabled["calls"]) == normalized(no_plugin["calls"])
+    assert disabled["tokens"] == no_plugin["tokens"]
+    assert disabled["pool_type"] == no_plugin["pool_type"] == "BlockPool"
+    assert disabled["reset"] is no_plugin["reset"] is True
+
+
+def shape(calls: list) -> list:
+    return [[rid, None if ids is None else [len(group) for group in ids]] for rid, ids in normalized(calls)]
+
+
+def test_enabled_plugin_serves_the_same_tokens_with_native_scheduling(tiny_llama: Path, tmp_path: Path) -> None:
+    """Elastic pool in a real engine: same outputs, same admissions and block counts as native.
+
+    Block ids may differ by design (page-aware choice); hits, misses and allocation sizes
+    may not. Every scheduled step was matched by an executed one (the fence is paired).
+    """
+    native = run_engine(tiny_llama, tmp_path / "native.json", VLLM_PLUGINS="")
+    elastic = run_engine(tiny_llama, tmp_path / "elastic.json", KVCACHED_ENABLE="1",
+                         KVCACHED_PAGE_SIZE=str(64 << 10))
+    assert elastic["plugin_installed"] is True and elastic["pool_type"] == "ElasticBlockPool"
+    assert elastic["native_pool_name"] is False
+    assert elastic["tokens"] == native["tokens"]
+    assert shape(elastic["calls"]) == shape(native["calls"])
+    assert elastic["reset"] is native["reset"] is True
+    scheduled, executed = elastic["steps"]
+    assert scheduled == executed > 0
+    ((mapped, _live, _capacity),) = elastic["stats"].values()
+    assert 0 < mapped <= elastic["kv_bytes"] // 16, "only a small fraction of the KV cache is ever mapped"

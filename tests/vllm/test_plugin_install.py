@@ -1,0 +1,180 @@
+"""Plugin activation: idempotent install, exact uninstall, strict switch, vLLM's loader."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from types import ModuleType
+from typing import Any
+
+import pytest
+import vllm
+from vllm.v1.core import block_pool, kv_cache_coordinator, kv_cache_manager
+from vllm.v1.core.sched import async_scheduler
+from vllm.v1.core.sched import scheduler as vllm_scheduler
+from vllm.v1.worker import gpu_model_runner
+
+from kvcached.errors import ConfigError, IntegrationError
+from kvcached.integration.vllm import plugin, scheduler
+
+SWITCHES = ("KVCACHED_ENABLE", "ENABLE_KVCACHED")
+# Loaded up front so their namespaces are in every snapshot (the seams live there).
+SEAM_MODULES = (block_pool, kv_cache_coordinator, kv_cache_manager, vllm_scheduler, async_scheduler,
+                gpu_model_runner)
+
+
+def owners() -> list[Any]:
+    """Every loaded vLLM module and every class it defines: all namespaces a seam could touch."""
+    found: list[Any] = []
+    for name, module in list(sys.modules.items()):
+        if not (name == "vllm" or name.startswith("vllm.")) or not isinstance(module, ModuleType):
+            continue
+        found.append(module)
+        found.extend(v for v in vars(module).values() if isinstance(v, type) and v.__module__ == name)
+    return found
+
+
+def namespace_snapshot() -> dict[int, tuple[Any, dict[str, Any]]]:
+    return {id(owner): (owner, dict(vars(owner))) for owner in owners()}
+
+
+def assert_identical(before: dict[int, tuple[Any, dict[str, Any]]]) -> None:
+    """Every attribute that existed is the very same object again; nothing new but submodules."""
+    for owner, attrs in before.values():
+        now = vars(owner)
+        changed = [name for name, value in attrs.items() if now.get(name, attrs) is not value]
+        added = [name for name in now.keys() - attrs.keys() if not isinstance(now[name], ModuleType)]
+        assert not changed and not added, f"{owner!r}: changed {changed}, added {added}"
+
+
+@pytest.fixture(autouse=True)
+def clean_state(monkeypatch: pytest.MonkeyPatch):
+    for name in SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    plugin.uninstall()
+    yield
+    plugin.uninstall()
+
+
+def test_install_is_idempotent_and_uninstall_restores_every_attribute(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHED_ENABLE", "1")
+    before = namespace_snapshot()
+    caps = plugin.install()
+    assert plugin.is_installed() and scheduler.is_enabled()
+    patched = namespace_snapshot()
+    assert kv_cache_coordinator.BlockPool is scheduler.elastic_block_pool
+    assert plugin.install() is caps  # second call: no-op
+    assert_identical(patched)
+    assert "schedule" not in vars(async_scheduler.AsyncScheduler)  # inherits the wrapped method
+    plugin.uninstall()
+    assert not plugin.is_installed()
+    assert_identical(before)
+    plugin.uninstall()  # second call: no-op
+    assert_identical(before)
+    assert kv_cache_coordinator.BlockPool is block_pool.BlockPool
+
+
+def test_install_then_reinstall_after_uninstall(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHED_ENABLE", "1")
+    before = namespace_snapshot()
+    for _ in range(2):
+        plugin.install()
+        plugin.uninstall()
+    assert_identical(before)
+
+
+@pytest.mark.parametrize("env", [{}, {"KVCACHED_ENABLE": "0"}, {"ENABLE_KVCACHED": "false"},
+                                 {"KVCACHED_ENABLE": "no"}])
+def test_register_when_disabled_patches_nothing(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    before = namespace_snapshot()
+    plugin.register()
+    assert not plugin.is_installed()
+    assert_identical(before)
+
+
+@pytest.mark.parametrize("env", [{"KVCACHED_ENABLE": "1"}, {"KVCACHED_ENABLE": "yes"},
+                                 {"ENABLE_KVCACHED": "true"}, {"ENABLE_KVCACHED": "TRUE"}])
+def test_register_when_enabled_installs(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    plugin.register()
+    plugin.register()  # vLLM may call it again in the same process
+    assert plugin.is_installed() and scheduler.is_enabled()
+
+
+@pytest.mark.parametrize("name", SWITCHES)
+@pytest.mark.parametrize("value", ["2", "enable", "tru", "1.0"])
+def test_malformed_switch_raises_naming_the_variable(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
+    monkeypatch.setenv(name, value)
+    before = namespace_snapshot()
+    with pytest.raises(ConfigError, match=name):
+        plugin.register()
+    assert not plugin.is_installed()
+    assert_identical(before)
+
+
+def test_unsupported_vllm_installs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHED_ENABLE", "1")
+    monkeypatch.setattr(vllm, "__version__", "0.30.0")
+    before = namespace_snapshot()
+    with pytest.raises(IntegrationError, match=r"0\.26 to 0\.29"):
+        plugin.register()
+    assert not plugin.is_installed()
+    assert_identical(before)
+
+
+def test_install_while_disabled_only_delegates() -> None:
+    before_pool = kv_cache_coordinator.BlockPool
+    plugin.install()  # switch off: the seams are installed but act as vLLM
+    assert plugin.is_installed() and not scheduler.is_enabled()
+    pool = kv_cache_coordinator.BlockPool(num_gpu_blocks=4, enable_caching=True, hash_block_size=16)
+    assert type(pool) is block_pool.BlockPool
+    plugin.uninstall()
+    assert kv_cache_coordinator.BlockPool is before_pool
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    child_env = {k: v for k, v in os.environ.items() if k not in SWITCHES}
+    child_env.update(env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], check=False, env=child_env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_entry_point_module_imports_nothing_heavy() -> None:
+    out = _python("""
+        import sys
+        import kvcached.integration.vllm.plugin as p
+        heavy = sorted(m for m in ("vllm", "torch", "kvcached._vmm") if m in sys.modules)
+        print(heavy)
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_vllm_plugin_loader_installs_through_the_entry_point() -> None:
+    code = """
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        from kvcached.integration.vllm import plugin
+        print("installed" if plugin.is_installed() else "native")
+    """
+    on = _python(code, KVCACHED_ENABLE="1")
+    assert on.returncode == 0, on.stderr
+    assert on.stdout.strip().splitlines()[-1] == "installed"
+    off = _python(code)
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.strip().splitlines()[-1] == "native"
+
+
+def test_config_error_from_register_stops_vllm() -> None:
+    """vLLM swallows plugin *import* errors but not errors raised by register()."""
+    out = _python("""
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+    """, KVCACHED_ENABLE="maybe")
+    assert out.returncode != 0
+    assert "ConfigError" in out.stderr and "KVCACHED_ENABLE" in out.stderr
