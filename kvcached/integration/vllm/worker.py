@@ -1,0 +1,397 @@
+"""Worker-side seams: KV tensors over virtual ranges, byte-page metadata, block copies.
+
+Model Runner V1 (vLLM 0.26-0.28; 0.29 removed the allocation methods and is refused).
+Four attributes are replaced by `install`, each restored exactly by `uninstall`:
+
+``GPUModelRunner._allocate_kv_cache_tensors``
+    Returns, per layer, an int8 tensor of exactly ``KVCacheTensor.size`` bytes, like
+    vLLM's ``torch.zeros``, but over a `kvcached._vmm.VirtualRange`: one range per
+    ``KVCacheTensor``, or one range for all packed tensors (``block_stride > 0``), which
+    alias one backing exactly as in vLLM. Each range is rounded up to whole kv pages
+    (`kvcached.space.plan_geometry`) and nothing is mapped here: the scheduler's pool maps
+    pages before any step touches their blocks. The ranges and their geometry are
+    published in `kvcached.space` for that pool to claim.
+
+``GPUModelRunner._reshape_kv_cache_tensors``
+    Runs vLLM's own reshape (including its in-place hybrid restride), then attaches
+    `kvcached.views.BytePageMeta` to every view it returns, list elements included
+    (0.26 Mamba state lists). The block dimension comes from the attention backend
+    (``get_kv_cache_block_dim``, as vLLM's hybrid restride uses) or is 0 for Mamba. For a
+    view over a kvcached range it also checks that block ``b`` lies inside bytes
+    ``[b*stride, (b+1)*stride)`` of its range: page mapping is per block row, so a view
+    reaching outside its row (an unrestrided split K/V layout) would touch unmapped pages.
+
+``GPUModelRunner._init_minimal_kv_cache_for_profiling``
+    Marks the minimal KV cache vLLM builds to profile CUDA-graph memory. Dummy runs write
+    into it before any pool exists, so it must be ordinary memory: while the mark is set
+    the allocation seam delegates to vLLM and publishes nothing.
+
+``vllm.v1.worker.gpu_model_runner.copy_kv_cache_blocks_inplace``
+    The name the V1 runner imported (patching ``vllm.v1.worker.utils`` would have no
+    effect). When kvcached is disabled it calls the original; otherwise
+    `kvcached.copy.copy_blocks`, which validates first and copies each backing's byte
+    runs once. The runner's call site and timing are untouched. Model Runner V2 is not
+    patched (kvcached requires ``VLLM_USE_V2_MODEL_RUNNER=0``).
+
+"Disabled" is decided at `install` from ``KVCACHED_ENABLE``/``ENABLE_KVCACHED``: the
+plugin only installs when enabled, but a disabled install makes every seam a pure
+delegation to vLLM, so tests and tools can install the seams without changing behaviour.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvcached import space as _space
+from kvcached.config import KvcachedConfig, enabled_from_env
+from kvcached.copy import copy_blocks
+from kvcached.errors import CopyValidationError, IntegrationError
+from kvcached.integration.vllm.capabilities import Capabilities
+from kvcached.views import BytePageMeta, attach_meta, describe_block_view
+
+__all__ = [
+    "allocate_kv_cache_tensors",
+    "annotate_runner_views",
+    "install",
+    "installed_capabilities",
+    "is_enabled",
+    "uninstall",
+]
+
+_MISSING: Any = object()
+
+
+@dataclass(frozen=True, slots=True)
+class _Patch:
+    owner: Any
+    name: str
+    original: Any  # the owner's own attribute (``vars(owner)``), or _MISSING
+
+
+@dataclass
+class _State:
+    caps: Capabilities | None = None
+    enabled: bool = False
+    #: range address -> block stride (bytes) of the backings this process allocated
+    backing_strides: dict[int, int] = field(default_factory=dict)
+
+
+_lock = threading.RLock()
+_patches: list[_Patch] = []
+_state = _State()
+_profiling = threading.local()  # .active: inside _init_minimal_kv_cache_for_profiling
+
+
+def is_enabled() -> bool:
+    """Whether the installed seams act (False: not installed, or installed disabled)."""
+    return _state.enabled
+
+
+def installed_capabilities() -> Capabilities | None:
+    return _state.caps
+
+
+# ---- (a) allocation ----------------------------------------------------------------------
+@dataclass
+class _BackingPlan:
+    size: int  # bytes exposed to vLLM (the KVCacheTensor size)
+    stride: int  # bytes per logical block
+    layers: list[str]
+
+
+def _plan_backings(kv_cache_config: Any) -> list[_BackingPlan]:
+    """One backing per ``KVCacheTensor``, except that packed tensors share one."""
+    num_blocks = int(kv_cache_config.num_blocks)
+    if num_blocks <= 0:
+        raise IntegrationError(f"KV cache config has num_blocks={num_blocks}")
+    plans: list[_BackingPlan] = []
+    packed: _BackingPlan | None = None
+    for t in kv_cache_config.kv_cache_tensors:
+        size, block_stride = int(t.size), int(t.block_stride)
+        if block_stride > 0:
+            if packed is None:
+                packed = _BackingPlan(size, block_stride, [])
+                plans.append(packed)
+            elif (size, block_stride) != (packed.size, packed.stride):
+                raise IntegrationError(
+                    f"packed KV tensors disagree on the shared backing: size {size} / block "
+                    f"stride {block_stride} vs {packed.size} / {packed.stride}"
+                )
+            if block_stride * num_blocks > size:
+                raise IntegrationError(
+                    f"packed KV tensor of {size} bytes cannot hold {num_blocks} blocks of {block_stride}"
+                )
+            packed.layers.extend(t.shared_by)
+        else:
+            if size % num_blocks:
+                raise IntegrationError(
+                    f"KV tensor of {size} bytes for {list(t.shared_by)} is not {num_blocks} equal blocks"
+                )
+            plans.append(_BackingPlan(size, size // num_blocks, list(t.shared_by)))
+    if not plans:
+        raise IntegrationError("KV cache config has no KV tensors")
+    return plans
+
+
+def _device_string(device: torch.device) -> str:
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index}"
+    raise IntegrationError(f"kvcached cannot back KV tensors on device {device}")
+
+
+def _expected_layers(runner: Any, kv_cache_config: Any) -> set[str]:
+    skip = set(getattr(runner, "runner_only_attn_layers", ()))
+    return {n for g in kv_cache_config.kv_cache_groups for n in g.layer_names if n not in skip}
+
+
+def allocate_kv_cache_tensors(runner: Any, kv_cache_config: Any) -> dict[str, torch.Tensor]:
+    """kvcached's ``_allocate_kv_cache_tensors``: int8 tensors over unmapped virtual ranges."""
+    from kvcached import _vmm
+    from kvcached.arena import make_budget
+    from kvcached.memory import tensor_view
+
+    plans = _plan_backings(kv_cache_config)
+    config = KvcachedConfig.resolve()
+    num_blocks = int(kv_cache_config.num_blocks)
+    geometry = _space.plan_geometry([p.stride for p in plans], num_blocks, config.page_size)
+    device = _device_string(torch.device(runner.device))
+    budget = make_budget(config)
+    ranges = []
+    tensors: dict[str, torch.Tensor] = {}
+    strides: dict[int, int] = {}
+    for plan, reserved in zip(plans, geometry.reserved_bytes, strict=True):
+        # reserved = whole kv pages covering num_blocks * stride >= plan.size
+        vrange = _vmm.VirtualRange(device, max(reserved, plan.size), config.page_size, budget)
+        tensor = tensor_view(vrange, 0, plan.size, dtype=torch.int8)
+        ranges.append(vrange)
+        strides[int(vrange.address)] = plan.stride
+        for name in plan.layers:
+            tensors[name] = tensor
+    expected = _expected_layers(runner, kv_cache_config)
+    if expected != set(tensors):
+        raise IntegrationError(
+            "KV tensors do not cover the KV cache groups' layers: missing "
+            f"{sorted(expected - set(tensors))}, unexpected {sorted(set(tensors) - expected)}"
+        )
+    _space.publish(_space.KvSpace(geometry, tuple(ranges)))
+    with _lock:
+        _state.backing_strides = strides
+    return tensors
+
+
+def _wrap_allocate(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _allocate_kv_cache_tensors(self: Any, kv_cache_config: Any) -> dict[str, torch.Tensor]:
+        if not _state.enabled or getattr(_profiling, "active", False):
+            return original(self, kv_cache_config)
+        return allocate_kv_cache_tensors(self, kv_cache_config)
+
+    return _allocate_kv_cache_tensors
+
+
+def _wrap_profiling(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _init_minimal_kv_cache_for_profiling(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outer = getattr(_profiling, "active", False)
+        _profiling.active = True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _profiling.active = outer
+
+    return _init_minimal_kv_cache_for_profiling
+
+
+# ---- (b) metadata on views -----------------------------------------------------------------
+def _layer_block_dims(runner: Any, kernel_block_sizes: Sequence[int]) -> tuple[dict[str, int], set[str]]:
+    """Block dimension of each layer's view, and the names of the Mamba layers."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
+
+    dims: dict[str, int] = {}
+    mamba: set[str] = set()
+    for group in runner._kv_cache_spec_attn_group_iterator():
+        if group.kv_cache_group_id == len(kernel_block_sizes):
+            continue  # vLLM's trailing group of layers without KV cache
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            dims.update(dict.fromkeys(group.layer_names, 0))
+            mamba.update(group.layer_names)
+        elif isinstance(spec, AttentionSpec):
+            dim = group.backend.get_kv_cache_block_dim(
+                kernel_block_sizes[group.kv_cache_group_id],
+                spec.num_kv_heads,
+                spec.head_size,
+                cache_dtype_str=runner.cache_config.cache_dtype,
+            )
+            dims.update(dict.fromkeys(group.layer_names, int(dim)))
+    return dims, mamba
+
+
+def _check_block_major(name: str, meta: BytePageMeta, stride: int) -> None:
+    """Block b of a view over a kvcached range must lie in bytes [b*stride, (b+1)*stride)."""
+    end = meta.backing_offset + meta.segments[-1][0] + meta.segments[-1][1]
+    if meta.block_stride != stride or end > stride:
+        raise IntegrationError(
+            f"layer {name}: its view's logical block covers bytes [{meta.backing_offset}, {end}) "
+            f"with block stride {meta.block_stride}, outside the {stride}-byte block row kvcached "
+            "maps pages for (a K/V-first layout that was not restrided blocks-first?)"
+        )
+
+
+def annotate_runner_views(
+    runner: Any, kv_caches: dict[str, Any], kernel_block_sizes: Sequence[int], caps: Capabilities
+) -> None:
+    """Attach byte-page metadata to every view vLLM's reshape returned (lists included)."""
+    num_blocks = int(runner.kv_cache_config.num_blocks)
+    dims, mamba = _layer_block_dims(runner, kernel_block_sizes)
+    strides = _state.backing_strides
+    pending: list[tuple[torch.Tensor, BytePageMeta]] = []
+    for name, entry in kv_caches.items():
+        is_list = isinstance(entry, (list, tuple))
+        if name in mamba and is_list == caps.raw_mamba_pages:
+            want = "one raw page tensor" if caps.raw_mamba_pages else "a list of state tensors"
+            raise IntegrationError(f"Mamba layer {name}: vLLM {caps.version} should hold {want}")
+        for t in entry if is_list else (entry,):
+            try:
+                meta = describe_block_view(t, num_blocks, block_dim=dims.get(name))
+            except CopyValidationError as exc:
+                raise IntegrationError(f"layer {name}: cannot describe its KV view: {exc}") from exc
+            stride = strides.get(meta.backing_id)
+            if stride is not None:
+                _check_block_major(name, meta, stride)
+            pending.append((t, meta))
+    for t, meta in pending:  # all or nothing
+        attach_meta(t, meta)
+
+
+def _wrap_reshape(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _reshape_kv_cache_tensors(
+        self: Any, kv_cache_raw_tensors: dict[str, torch.Tensor], kernel_block_sizes: list[int]
+    ) -> dict[str, Any]:
+        kv_caches: dict[str, Any] = original(self, kv_cache_raw_tensors, kernel_block_sizes)
+        caps = _state.caps
+        if _state.enabled and caps is not None:
+            annotate_runner_views(self, kv_caches, kernel_block_sizes, caps)
+        return kv_caches
+
+    return _reshape_kv_cache_tensors
+
+
+# ---- (c) block copies ----------------------------------------------------------------------
+def _wrap_copy(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def copy_kv_cache_blocks_inplace(kv_caches: Any, num_blocks: int, kv_cache_block_copies: Any) -> None:
+        if not _state.enabled:
+            original(kv_caches, num_blocks, kv_cache_block_copies)
+            return
+        copy_blocks(kv_caches, num_blocks, kv_cache_block_copies)
+
+    return copy_kv_cache_blocks_inplace
+
+
+# ---- install / uninstall ---------------------------------------------------------------------
+def _own(owner: Any, name: str) -> Any:
+    return vars(owner).get(name, _MISSING)
+
+
+def _subclasses(cls: type) -> list[type]:
+    out: list[type] = []
+    direct: list[type] = cls.__subclasses__()
+    for sub in direct:
+        out.append(sub)
+        out.extend(_subclasses(sub))
+    return out
+
+
+def _require_own(owner: Any, name: str) -> Callable[..., Any]:
+    """``owner.name`` must be defined on ``owner`` itself and overridden by no subclass."""
+    value = _own(owner, name)
+    if value is _MISSING or not callable(value):
+        raise IntegrationError(
+            f"{getattr(owner, '__qualname__', owner.__name__)}.{name} is not where kvcached expects it"
+        )
+    if isinstance(owner, type):
+        for sub in _subclasses(owner):
+            if name in vars(sub):
+                raise IntegrationError(
+                    f"{sub.__qualname__} overrides {owner.__qualname__}.{name}; the seam would miss it"
+                )
+    return value
+
+
+def _plan(caps: Capabilities) -> list[tuple[Any, str, Any]]:
+    """(owner, attribute, replacement) for every seam, after checking vLLM's shape."""
+    if caps.allocate_kv_cache:
+        raise IntegrationError(
+            f"vLLM {caps.version} allocates KV tensors in utils.allocate_kv_cache; kvcached's worker "
+            "seams support Model Runner V1 of vLLM 0.26-0.28 only"
+        )
+    if not caps.logical_block_copy:
+        raise IntegrationError(f"vLLM {caps.version} has no logical block copy helper")
+    from vllm.v1.worker import gpu_model_runner, utils
+
+    runner = gpu_model_runner.GPUModelRunner
+    copy_original = _require_own(gpu_model_runner, "copy_kv_cache_blocks_inplace")
+    if copy_original is not utils.copy_kv_cache_blocks_inplace:
+        raise IntegrationError(
+            "vllm.v1.worker.gpu_model_runner.copy_kv_cache_blocks_inplace is not vLLM's helper; "
+            "another plugin already replaced it"
+        )
+    return [
+        (runner, "_allocate_kv_cache_tensors", _wrap_allocate(_require_own(runner, "_allocate_kv_cache_tensors"))),
+        (runner, "_reshape_kv_cache_tensors", _wrap_reshape(_require_own(runner, "_reshape_kv_cache_tensors"))),
+        (
+            runner,
+            "_init_minimal_kv_cache_for_profiling",
+            _wrap_profiling(_require_own(runner, "_init_minimal_kv_cache_for_profiling")),
+        ),
+        (gpu_model_runner, "copy_kv_cache_blocks_inplace", _wrap_copy(copy_original)),
+    ]
+
+
+def install(caps: Capabilities) -> None:
+    """Replace the worker-side attributes; idempotent. Nothing is patched on error.
+
+    Installing again with different capabilities raises `IntegrationError`.
+    """
+    with _lock:
+        if _patches:
+            if caps != _state.caps:
+                raise IntegrationError(
+                    f"worker seams already installed for vLLM {_state.caps.version if _state.caps else '?'}"
+                )
+            return
+        enabled = enabled_from_env()
+        plan = _plan(caps)  # validates everything before the first setattr
+        for owner, name, replacement in plan:
+            _patches.append(_Patch(owner, name, _own(owner, name)))
+            setattr(owner, name, replacement)
+        _state.caps = caps
+        _state.enabled = enabled
+
+
+def uninstall() -> None:
+    """Restore every replaced attribute exactly (in reverse order); idempotent.
+
+    The published KV space is left alone: the engine's pool may still be using it.
+    """
+    with _lock:
+        while _patches:
+            patch = _patches.pop()
+            if patch.original is _MISSING:
+                delattr(patch.owner, patch.name)
+            else:
+                setattr(patch.owner, patch.name, patch.original)
+        _state.caps = None
+        _state.enabled = False
+        _state.backing_strides = {}

@@ -1,0 +1,221 @@
+"""Worker seams over real virtual ranges: vLLM 0.28's own reshape code, kvcached's allocation.
+
+A `GPUModelRunner` is made without ``__init__`` and given just the attributes
+``_allocate_kv_cache_tensors`` / ``_reshape_kv_cache_tensors`` read; the attention
+backends are vLLM's real CPU (blocks-first) and ROCm (K/V-first) classes, the specs vLLM's
+real spec classes. No engine is started.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+from vllm.v1.attention.backends.rocm_attn import RocmAttentionBackend
+from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+)
+from vllm.v1.worker import gpu_model_runner
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from kvcached import space
+from kvcached.copy import copy_stats, reset_copy_stats
+from kvcached.errors import IntegrationError
+from kvcached.integration.vllm import worker
+from kvcached.integration.vllm.capabilities import capabilities_for
+from kvcached.views import get_meta
+
+pytest.importorskip("kvcached._vmm", reason="native extension not built")
+
+N = 12  # blocks
+BS = 16  # tokens per block
+PAGE_SIZE = 4096  # VMM page: 4 attention blocks per kv page
+ATTN = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float16)
+ATTN_PAGE = ATTN.page_size_bytes  # 1024
+STATES = {"shapes": ((2, 3), (3, 5)), "dtypes": (torch.float16, torch.float32)}
+
+
+@pytest.fixture(autouse=True)
+def installed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("KVCACHED_ENABLE", "1")
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(PAGE_SIZE))
+    for var in ("ENABLE_KVCACHED", "KVCACHED_BUDGET_BYTES", "KVCACHED_BUDGET_PATH", "KVCACHED_PAGE_SIZE_MB"):
+        monkeypatch.delenv(var, raising=False)
+    worker.install(capabilities_for("0.28.0"))
+    yield
+    worker.uninstall()
+    space.withdraw()
+
+
+def make_runner(config: KVCacheConfig, groups: list[tuple[Any, type, list[str]]]) -> GPUModelRunner:
+    runner = GPUModelRunner.__new__(GPUModelRunner)
+    runner.kv_cache_config = config
+    runner.attn_groups = [
+        [SimpleNamespace(kv_cache_spec=spec, backend=backend, kv_cache_group_id=gid, layer_names=names)]
+        for gid, (spec, backend, names) in enumerate(groups)
+    ]
+    runner.runner_only_attn_layers = set()
+    runner.cache_config = SimpleNamespace(cache_dtype="auto")
+    runner.device = torch.device("cpu")
+    return runner
+
+
+def build(config: KVCacheConfig, groups: list[tuple[Any, type, list[str]]]) -> tuple[dict[str, Any], space.KvSpace]:
+    runner = make_runner(config, groups)
+    raw = GPUModelRunner._allocate_kv_cache_tensors(runner, config)
+    published = space.claim(config.num_blocks)
+    assert published is not None
+    # exactly KVCacheTensor.size bytes per tensor, over an unmapped range
+    for t in config.kv_cache_tensors:
+        tensor = raw[t.shared_by[0]]
+        assert tensor.dtype == torch.int8 and tensor.numel() == t.size
+        assert tensor.untyped_storage().data_ptr() in {r.address for r in published.ranges}
+    assert all(r.num_mapped == 0 for r in published.ranges)
+    kv = GPUModelRunner._reshape_kv_cache_tensors(runner, raw, [g[0].block_size for g in groups])
+    return kv, published
+
+
+def map_blocks(published: space.KvSpace, blocks: set[int]) -> None:
+    """Map only the kv pages holding ``blocks`` (every other byte stays PROT_NONE)."""
+    g = published.geometry
+    for p in sorted({b // g.blocks_per_page for b in blocks}):
+        published.page_space().map_page(p)
+
+
+def check_copy(kv: dict[str, Any], published: space.KvSpace, copies: list[tuple[int, int]], runs: int) -> None:
+    """Copy through the patched helper; compare typed views of the touched blocks."""
+    touched = {b for pair in copies for b in pair}
+    map_blocks(published, touched)
+    views = [t for e in kv.values() for t in (e if isinstance(e, (list, tuple)) else [e])]
+    order = sorted(touched)
+    gen = torch.Generator().manual_seed(0)
+    blocks_of: list[torch.Tensor] = []
+    for v in views:
+        meta = get_meta(v)
+        assert meta is not None
+        bd = next(d for d, s in enumerate(v.shape) if s == N * meta.kernel_blocks_per_block and d in (0, 1))
+        ints = v.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[v.element_size()])
+        blocks = ints.unflatten(bd, (N, meta.kernel_blocks_per_block)).movedim(bd, 0)
+        blocks[order] = torch.randint(-100, 100, blocks[order].shape, generator=gen, dtype=blocks.dtype)
+        blocks_of.append(blocks)
+    before = [b[order].clone() for b in blocks_of]
+    reset_copy_stats()
+    gpu_model_runner.copy_kv_cache_blocks_inplace(list(kv.values()), N, [KVCacheBlockCopy(s, d) for s, d in copies])
+    assert copy_stats().runs_copied == runs
+    pos = {b: i for i, b in enumerate(order)}
+    dsts = {d: s for s, d in copies}
+    for blocks, old in zip(blocks_of, before):
+        for b in order:
+            want = old[pos[dsts[b]]] if b in dsts else old[pos[b]]
+            assert torch.equal(blocks[b], want)
+
+
+def test_full_attention_layers() -> None:
+    config = KVCacheConfig(
+        num_blocks=N,
+        kv_cache_tensors=[KVCacheTensor(size=N * ATTN_PAGE, shared_by=[f"l{i}"]) for i in range(2)],
+        kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], ATTN)],
+    )
+    kv, published = build(config, [(ATTN, CPUAttentionBackend, ["l0", "l1"])])
+    assert published.geometry.blocks_per_page == 4 and len(published.ranges) == 2
+    v = kv["l0"]
+    assert tuple(v.shape) == (N, 2, BS, 16) and v.stride() == (512, 256, 16, 1)  # CPU: (B, H, N, 2D)
+    meta = get_meta(v)
+    assert meta is not None and meta.segments == ((0, ATTN_PAGE),) and meta.block_stride == ATTN_PAGE
+    check_copy(kv, published, [(1, 9), (9, 1), (2, 3)], runs=2)
+
+
+def test_hybrid_split_kv_restrided_with_mamba() -> None:
+    mamba = MambaSpec(block_size=BS, page_size_padded=ATTN_PAGE, **STATES)  # type: ignore[arg-type]
+    config = KVCacheConfig(
+        num_blocks=N,
+        kv_cache_tensors=[KVCacheTensor(size=N * ATTN_PAGE, shared_by=[f"a{i}", f"m{i}"]) for i in range(2)],
+        kv_cache_groups=[KVCacheGroupSpec(["a0", "a1"], ATTN), KVCacheGroupSpec(["m0", "m1"], mamba)],
+    )
+    kv, published = build(
+        config, [(ATTN, RocmAttentionBackend, ["a0", "a1"]), (mamba, RocmAttentionBackend, ["m0", "m1"])]
+    )
+    a, m = kv["a0"], kv["m0"]
+    hidden = BS * 2 * 8
+    assert tuple(a.shape) == (2, N, BS, 2, 8) and a.stride()[:2] == (hidden, 2 * hidden)  # restrided in place
+    assert tuple(m.shape) == (N, 1, 1, ATTN_PAGE) and m.dtype == torch.int8
+    for t in (a, m):
+        meta = get_meta(t)
+        assert meta is not None and meta.segments == ((0, ATTN_PAGE),) and meta.block_stride == ATTN_PAGE
+    # each KVCacheTensor (attention + Mamba layer) is copied once
+    check_copy(kv, published, [(5, 10), (10, 0)], runs=2)
+
+
+def test_packed_layers_share_one_backing() -> None:
+    stride = 2 * ATTN_PAGE
+    config = KVCacheConfig(
+        num_blocks=N,
+        kv_cache_tensors=[
+            KVCacheTensor(size=N * stride, shared_by=["l0"], offset=0, block_stride=stride),
+            KVCacheTensor(size=N * stride, shared_by=["l1"], offset=ATTN_PAGE, block_stride=stride),
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], ATTN)],
+    )
+    kv, published = build(config, [(ATTN, CPUAttentionBackend, ["l0", "l1"])])
+    assert len(published.ranges) == 1
+    assert kv["l0"].untyped_storage().data_ptr() == kv["l1"].untyped_storage().data_ptr()
+    m0, m1 = get_meta(kv["l0"]), get_meta(kv["l1"])
+    assert m0 is not None and m1 is not None
+    assert (m0.layer_offset, m1.layer_offset, m1.block_stride) == (0, ATTN_PAGE, stride)
+    check_copy(kv, published, [(0, 11), (7, 4)], runs=1)  # interleaved layers merge into one run
+
+
+def test_packed_mamba_slice_is_rejected() -> None:
+    """vLLM 0.28 slices a packed Mamba page as if unpacked; kvcached refuses that view."""
+    mamba = MambaSpec(block_size=BS, **STATES)  # type: ignore[arg-type]  # 72-byte page
+    stride = ATTN_PAGE
+    config = KVCacheConfig(
+        num_blocks=N,
+        kv_cache_tensors=[KVCacheTensor(size=N * stride, shared_by=["a0", "m0"], offset=0, block_stride=stride)],
+        kv_cache_groups=[KVCacheGroupSpec(["a0"], ATTN), KVCacheGroupSpec(["m0"], mamba)],
+    )
+    with pytest.raises(IntegrationError, match="layer m0"):
+        build(config, [(ATTN, CPUAttentionBackend, ["a0"]), (mamba, CPUAttentionBackend, ["m0"])])
+
+
+def test_split_kv_without_restride_is_rejected() -> None:
+    config = KVCacheConfig(
+        num_blocks=N,
+        kv_cache_tensors=[KVCacheTensor(size=N * ATTN_PAGE, shared_by=["l0"])],
+        kv_cache_groups=[KVCacheGroupSpec(["l0"], ATTN)],
+    )
+    with pytest.raises(IntegrationError, match="K/V-first"):
+        build(config, [(ATTN, RocmAttentionBackend, ["l0"])])
+
+
+def test_profiling_kv_cache_is_plain_memory() -> None:
+    config = KVCacheConfig(
+        num_blocks=N,
+        kv_cache_tensors=[KVCacheTensor(size=N * ATTN_PAGE, shared_by=["l0"])],
+        kv_cache_groups=[KVCacheGroupSpec(["l0"], ATTN)],
+    )
+    runner = make_runner(config, [(ATTN, CPUAttentionBackend, ["l0"])])
+    space.withdraw()
+    mark = worker._wrap_profiling(lambda self: GPUModelRunner._allocate_kv_cache_tensors(self, config))
+    raw = mark(runner)
+    assert space.claim(N) is None  # nothing published
+    assert torch.count_nonzero(raw["l0"]) == 0  # vLLM's torch.zeros, readable everywhere
+
+
+def test_layer_coverage_is_checked() -> None:
+    config = KVCacheConfig(
+        num_blocks=N,
+        kv_cache_tensors=[KVCacheTensor(size=N * ATTN_PAGE, shared_by=["l0"])],
+        kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], ATTN)],
+    )
+    with pytest.raises(IntegrationError, match=r"missing \['l1'\]"):
+        GPUModelRunner._allocate_kv_cache_tensors(make_runner(config, []), config)
