@@ -92,15 +92,20 @@ def lint(session: nox.Session) -> None:
 def sanitize(session: nox.Session) -> None:
     """Build csrc with AddressSanitizer + UBSan and run the native and core tests under it."""
     python = _shared_env(session, SANITIZE_DIR, ("-Ccmake.define.KVCACHED_SANITIZE=ON",))
-    libasan = subprocess.run(["gcc", "-print-file-name=libasan.so"], check=True,
-                             capture_output=True, text=True).stdout.strip()
+    def gcc_lib(name: str) -> str:
+        return subprocess.run(["gcc", f"-print-file-name={name}"], check=True,
+                              capture_output=True, text=True).stdout.strip()
+
     env = {
-        "LD_PRELOAD": libasan,
+        # libstdc++ must be preloaded next to libasan, or ASan's interceptors see C++
+        # exceptions thrown before libstdc++ is resolved and the process dies silently.
+        "LD_PRELOAD": f"{gcc_lib('libasan.so')} {gcc_lib('libstdc++.so')}",
         # CPython itself leaks by design at exit; leak checking would only report that.
         "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0:halt_on_error=1",
         "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
     }
-    tests_ = session.posargs or ["tests/test_vmm_cpu.py", "tests/test_core_pool.py", "tests/test_core_ledger_state.py"]
+    tests_ = session.posargs or ["tests/test_vmm_cpu.py", "tests/test_vmm_budget_shared.py",
+                                 "tests/test_core_pool.py", "tests/test_core_ledger_state.py"]
     _run(session, python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests_, env=env)
 
 

@@ -71,6 +71,22 @@ def enabled_from_env(env: Mapping[str, str] | None = None) -> bool:
     return any(values.values())
 
 
+# field -> (env var, kind, lower bound, upper bound): the single source of truth for
+# parsing and for the variable names that validation errors report.
+_ENV: dict[str, tuple[str, str, float, float | None]] = {
+    "page_size": ("KVCACHED_PAGE_SIZE", "int", 4096, 1 << 34),
+    "min_reserve_pages": ("KVCACHED_MIN_RESERVE_PAGES", "int", 0, 1 << 20),
+    "max_reserve_pages": ("KVCACHED_MAX_RESERVE_PAGES", "int", 0, 1 << 20),
+    "capacity_ttl_s": ("KVCACHED_CAPACITY_TTL_MS", "ms", 0.0, 60_000.0),
+    "map_retries": ("KVCACHED_MAP_RETRIES", "int", 0, 100),
+    "retry_backoff_s": ("KVCACHED_RETRY_BACKOFF_MS", "ms", 0.0, 10_000.0),
+    "budget_bytes": ("KVCACHED_BUDGET_BYTES", "int", 0, None),
+    "budget_path": ("KVCACHED_BUDGET_PATH", "str", 0, None),
+    "max_cached_blocks": ("KVCACHED_MAX_CACHED_BLOCKS", "int", -1, None),
+    "fault_plan": ("KVCACHED_FAULT_PLAN", "str", 0, None),
+}
+
+
 @dataclass(frozen=True, slots=True)
 class KvcachedConfig:
     """Validated knobs of one elastic pool.
@@ -91,20 +107,6 @@ class KvcachedConfig:
     max_cached_blocks: int = -1
     fault_plan: str | None = None
 
-    # name -> (env var, parser bounds); the single source of truth for validation.
-    _ENV = {
-        "page_size": ("KVCACHED_PAGE_SIZE", "int", 4096, 1 << 34),
-        "min_reserve_pages": ("KVCACHED_MIN_RESERVE_PAGES", "int", 0, 1 << 20),
-        "max_reserve_pages": ("KVCACHED_MAX_RESERVE_PAGES", "int", 0, 1 << 20),
-        "capacity_ttl_s": ("KVCACHED_CAPACITY_TTL_MS", "ms", 0.0, 60_000.0),
-        "map_retries": ("KVCACHED_MAP_RETRIES", "int", 0, 100),
-        "retry_backoff_s": ("KVCACHED_RETRY_BACKOFF_MS", "ms", 0.0, 10_000.0),
-        "budget_bytes": ("KVCACHED_BUDGET_BYTES", "int", 0, None),
-        "budget_path": ("KVCACHED_BUDGET_PATH", "str", 0, None),
-        "max_cached_blocks": ("KVCACHED_MAX_CACHED_BLOCKS", "int", -1, None),
-        "fault_plan": ("KVCACHED_FAULT_PLAN", "str", 0, None),
-    }
-
     @classmethod
     def resolve(cls, env: Mapping[str, str] | None = None, **explicit: Any) -> KvcachedConfig:
         """Build a config: ``explicit`` arguments win, then ``env`` (default ``os.environ``)."""
@@ -114,7 +116,7 @@ class KvcachedConfig:
         if unknown:
             raise ConfigError(f"unknown kvcached option(s): {sorted(unknown)}")
         values: dict[str, Any] = {}
-        for name, (var, kind, lo, hi) in cls._ENV.items():
+        for name, (var, kind, lo, hi) in _ENV.items():
             if name in explicit:
                 values[name] = explicit[name]
                 continue
@@ -142,7 +144,7 @@ class KvcachedConfig:
         for name in ("min_reserve_pages", "max_reserve_pages", "map_retries"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{self._ENV[name][0]}={value} must be an integer >= 0")
+                raise ConfigError(f"{_ENV[name][0]}={value} must be an integer >= 0")
         if self.min_reserve_pages > self.max_reserve_pages:
             raise ConfigError(
                 f"KVCACHED_MIN_RESERVE_PAGES={self.min_reserve_pages} exceeds "

@@ -1,0 +1,170 @@
+// Python bindings for kvcached._vmm (API fixed by docs/contracts.md).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <exception>
+
+#include "budget.h"
+#include "cpu_backend.h"
+#include "cuda_driver.h"
+#include "dlpack.h"
+#include "errors.h"
+#include "vrange.h"
+
+namespace py = pybind11;
+using kvcached::Budget;
+using kvcached::RangeState;
+using kvcached::VmmError;
+
+namespace {
+
+constexpr const char* kCapsuleName = "dltensor";
+
+// The kvcached.errors classes, resolved once at import. Deliberately leaked:
+// decref'ing them from a static destructor after the interpreter is gone
+// would crash at exit.
+struct ErrorClasses {
+  py::object config, invariant, exhausted, driver, backend;
+};
+ErrorClasses* g_errors = nullptr;
+
+void set_python_error(const VmmError& e) {
+  const ErrorClasses& c = *g_errors;
+  switch (e.kind()) {
+    case VmmError::Kind::Config:
+      PyErr_SetString(c.config.ptr(), e.what());
+      return;
+    case VmmError::Kind::Invariant:
+      PyErr_SetString(c.invariant.ptr(), e.what());
+      return;
+    case VmmError::Kind::Exhausted:
+      PyErr_SetString(c.exhausted.ptr(), e.what());
+      return;
+    case VmmError::Kind::Driver: {
+      // DriverError carries .name/.code, so build the instance explicitly.
+      PyObject* exc = PyObject_CallFunction(c.driver.ptr(), "ssi", e.what(), e.driver_name().c_str(),
+                                            e.code());
+      if (exc == nullptr) return;  // the constructor's own error is left set
+      PyErr_SetObject(c.driver.ptr(), exc);
+      Py_DECREF(exc);
+      return;
+    }
+    case VmmError::Kind::Backend:
+      PyErr_SetString(c.backend.ptr(), e.what());
+      return;
+  }
+  PyErr_SetString(c.backend.ptr(), e.what());
+}
+
+void translate(std::exception_ptr p) {
+  try {
+    if (p) std::rethrow_exception(p);
+  } catch (const VmmError& e) {
+    set_python_error(e);
+  }
+}
+
+// Capsule destructor: a consumer that takes ownership renames the capsule to
+// "used_dltensor" and becomes responsible for calling the deleter; only an
+// unconsumed capsule still owns its tensor.
+void capsule_destructor(PyObject* capsule) {
+  if (!PyCapsule_IsValid(capsule, kCapsuleName)) return;
+  auto* t = static_cast<kvcached::dl::DLManagedTensor*>(PyCapsule_GetPointer(capsule, kCapsuleName));
+  if (t != nullptr && t->deleter != nullptr) t->deleter(t);
+}
+
+py::object make_capsule(const std::shared_ptr<RangeState>& self, std::int64_t offset,
+                        std::int64_t nbytes) {
+  std::size_t n = self->view_length(offset, nbytes);
+  kvcached::dl::DLManagedTensor* t =
+      kvcached::dl::export_bytes(self, static_cast<std::size_t>(offset), n);
+  PyObject* capsule = PyCapsule_New(t, kCapsuleName, capsule_destructor);
+  if (capsule == nullptr) {
+    t->deleter(t);
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(capsule);
+}
+
+std::string range_repr(RangeState& r) {
+  return "VirtualRange(device='" + r.device() + "', size=" + std::to_string(r.size()) +
+         ", page_size=" + std::to_string(r.page_size()) + ", mapped=" + std::to_string(r.num_mapped()) +
+         "/" + std::to_string(r.num_pages()) + (r.closed() ? ", closed" : "") + ")";
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_vmm, m) {
+  m.doc() = "kvcached native layer: virtual ranges with on-demand physical pages (CPU and CUDA).";
+
+  py::module_ errors = py::module_::import("kvcached.errors");
+  g_errors = new ErrorClasses{errors.attr("ConfigError"), errors.attr("InvariantError"),
+                              errors.attr("PhysicalMemoryExhausted"), errors.attr("DriverError"),
+                              errors.attr("BackendError")};
+  py::register_exception_translator(&translate);
+
+  using release_gil = py::call_guard<py::gil_scoped_release>;
+
+  py::class_<Budget, std::shared_ptr<Budget>>(m, "Budget",
+                                              "Physical-byte budget; with a path, shared by processes.")
+      .def(py::init<std::int64_t, const std::string&>(), py::arg("limit_bytes"), py::arg("path") = "",
+           release_gil())
+      .def_property("limit", &Budget::limit, &Budget::set_limit)
+      .def_property_readonly("used", &Budget::used)
+      .def_property_readonly("available", &Budget::available)
+      .def_property_readonly("path", &Budget::path)
+      .def("__repr__", [](const Budget& b) {
+        return "Budget(limit=" + std::to_string(b.limit()) + ", used=" + std::to_string(b.used()) +
+               (b.path().empty() ? "" : ", path='" + b.path() + "'") + ")";
+      });
+
+  py::class_<RangeState, std::shared_ptr<RangeState>>(m, "VirtualRange",
+                                                      "A reserved address range whose pages are "
+                                                      "mapped to physical memory on demand.")
+      .def(py::init([](const std::string& device, std::int64_t size, std::int64_t page_size,
+                       std::shared_ptr<Budget> budget) {
+             return std::make_shared<RangeState>(device, size, page_size, std::move(budget));
+           }),
+           py::arg("device"), py::arg("size"), py::arg("page_size"), py::arg("budget") = nullptr,
+           release_gil())
+      .def_property_readonly("device", &RangeState::device)
+      .def_property_readonly("address", &RangeState::address)
+      .def_property_readonly("size", &RangeState::size)
+      .def_property_readonly("page_size", &RangeState::page_size)
+      .def_property_readonly("num_pages", &RangeState::num_pages)
+      .def_property_readonly("num_mapped", &RangeState::num_mapped)
+      .def_property_readonly("closed", &RangeState::closed)
+      .def_property_readonly("budget", &RangeState::budget)
+      .def_property_readonly("live_views",
+                             [](const RangeState& r) { return r.live_views.load(); },
+                             "DLPack views of this range still alive (capsules and tensors).")
+      .def("map", &RangeState::map, py::arg("pages"), release_gil(),
+           "Back the pages with physical memory. All-or-nothing: on any error nothing stays mapped.")
+      .def("unmap", &RangeState::unmap, py::arg("pages"), release_gil(),
+           "Validate every page, then unmap them and give their memory back.")
+      .def("is_mapped", &RangeState::is_mapped, py::arg("page"))
+      .def("mapped_pages", &RangeState::mapped_pages)
+      .def("dlpack", &make_capsule, py::arg("offset") = 0, py::arg("nbytes") = -1,
+           "A 'dltensor' capsule: 1-D uint8 view of [offset, offset+nbytes); keeps the VA reserved.")
+      .def("close", &RangeState::close, release_gil(),
+           "Unmap everything (idempotent). The VA is freed once the last view is gone.")
+      .def("physical_available", &RangeState::physical_available, release_gil(),
+           "Bytes that could still be mapped: the budget, else MemAvailable (cpu) / device free (cuda).")
+      .def("committed_bytes", &RangeState::committed_bytes, release_gil(),
+           "Physical bytes held now: memfd blocks (cpu) / mapped pages x page size (cuda).")
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__",
+           [](RangeState& r, const py::args&) {
+             py::gil_scoped_release nogil;
+             r.close();
+           })
+      .def("__repr__", &range_repr);
+
+  m.def("cuda_available", &kvcached::cuda::available, release_gil(),
+        "True when libcuda.so.1 loads, cuInit succeeds and a device exists.");
+  m.def("cuda_mem_info", &kvcached::cuda::mem_info, py::arg("device"), release_gil(),
+        "(free, total) bytes of a CUDA device, from cuMemGetInfo_v2.");
+  m.def("cuda_granularity", &kvcached::cuda::granularity, py::arg("device"), release_gil(),
+        "Minimum VMM allocation granularity of a CUDA device in bytes.");
+  m.def("os_page_size", &kvcached::os_page_size, "The OS page size in bytes.");
+}
