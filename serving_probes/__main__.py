@@ -1,0 +1,158 @@
+"""`python -m serving_probes`: run the GPU probes and write reports/gpu/.
+
+    python -m serving_probes                      # copy, cost, sanitizer, serving
+    python -m serving_probes --only copy,cost     # a subset
+    python -m serving_probes --out reports/gpu    # where the report goes (default)
+
+Exit status is non-zero if any probe check fails (a skipped probe is not a failure, and
+says why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROBES = ("copy", "cost", "sanitizer", "serving")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m serving_probes", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default=",".join(PROBES),
+                   help=f"comma-separated subset of {','.join(PROBES)} (default: all)")
+    p.add_argument("--out", default="reports/gpu", help="report directory (default: reports/gpu)")
+    p.add_argument("--blocks", type=int, default=600, help="blocks mapped per copy case (default 600)")
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--cost-pages", type=int, default=256, help="pages timed per cost path (default 256)")
+    p.add_argument("--no-report", action="store_true", help="print results only (used under the sanitizer)")
+    args = p.parse_args(argv)
+    args.only = [x for x in args.only.split(",") if x]
+    bad = set(args.only) - set(PROBES)
+    if bad:
+        p.error(f"unknown probe(s) {sorted(bad)}; choose from {','.join(PROBES)}")
+    return args
+
+
+def _environment() -> dict[str, str]:
+    import torch
+
+    import kvcached
+
+    env = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": " ".join([Path(sys.executable).name, "-m", "serving_probes", *sys.argv[1:]]),
+        "kvcached": kvcached.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name(0)
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, check=False).stdout.strip()
+            env["driver"] = out.splitlines()[0] if out else "unknown"
+        env["cuda (torch)"] = str(torch.version.cuda)
+    return env
+
+
+def _sanitizer(args: argparse.Namespace) -> dict[str, object]:
+    tool = shutil.which("compute-sanitizer") or next(
+        (str(p) for p in Path("/usr/local").glob("cuda*/bin/compute-sanitizer") if p.exists()), None)
+    if tool is None:
+        return {"status": "not run", "detail": "compute-sanitizer not found on PATH or /usr/local/cuda*/bin"}
+    cmd = [tool, "--tool", "memcheck", "--leak-check", "full", "--error-exitcode", "3",
+           sys.executable, "-m", "serving_probes", "--only", "copy", "--blocks", "120", "--no-report"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=1800)
+    text = proc.stdout + proc.stderr
+    match = re.search(r"ERROR SUMMARY: (\d+) error", text)
+    errors = int(match.group(1)) if match else -1
+    return {"status": "ran", "exit_code": proc.returncode, "errors": errors,
+            "command": " ".join(cmd[:6]) + " python -m serving_probes --only copy --blocks 120",
+            "tail": text[-1500:]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    import torch
+
+    from kvcached import _vmm
+
+    if not _vmm.cuda_available() or not torch.cuda.is_available():
+        print("serving_probes: no CUDA device (kvcached._vmm.cuda_available() is False); nothing to probe")
+        return 2
+    torch.cuda.init()
+    torch.empty(1, device=args.device)  # make the primary context current for the floor probe
+    free_start, total = torch.cuda.mem_get_info()
+    failed = False
+    results: dict[str, object] = {"environment": _environment()}
+
+    if "copy" in args.only:
+        from serving_probes.copy_matrix import all_cases, run_case
+
+        rows = []
+        for case in all_cases():
+            r = run_case(case, args.blocks, args.device)
+            ok = (r.copy_exact and r.runs_copied == r.runs_expected and r.rejected_by_driver
+                  and r.rejection_left_state_unchanged and r.recovered_blocks == args.blocks
+                  and r.contents_verified)
+            failed |= not ok
+            rows.append({**dataclasses.asdict(r), "pass": ok})
+            print(f"copy {r.case}: {'PASS' if ok else 'FAIL'} {dataclasses.asdict(r)}", flush=True)
+        results["copy"] = rows
+
+    if "cost" in args.only:
+        from serving_probes.driver_cost import kvcached_rows, raw_floor
+
+        page = _vmm.cuda_granularity(0)
+        floor, overhead = raw_floor(0, page, args.cost_pages)
+        rows = [floor, *kvcached_rows(args.device, page, args.cost_pages)]
+        results["cost"] = [{"path": r.path, "map_us": round(r.map_us, 2), "unmap_us": round(r.unmap_us, 2),
+                            "total_us": round(r.total_us, 2),
+                            "ratio_vs_floor": round(r.total_us / floor.total_us, 3)} for r in rows]
+        results["ctypes_overhead_us_per_call"] = round(overhead, 3)
+        for row in results["cost"]:  # type: ignore[union-attr]
+            print(f"cost {row}", flush=True)
+
+    if "sanitizer" in args.only:
+        san = _sanitizer(args)
+        results["sanitizer"] = san
+        failed |= san.get("status") == "ran" and san.get("errors") != 0
+        print(f"sanitizer: { {k: v for k, v in san.items() if k != 'tail'} }", flush=True)
+
+    if "serving" in args.only:
+        from serving_probes.hybrid_serving import run as run_serving
+
+        serving = run_serving()
+        results["serving"] = dataclasses.asdict(serving)
+        print(f"serving: {serving.status} {serving.reason}", flush=True)
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free_end, _ = torch.cuda.mem_get_info()
+    results["teardown"] = {"free_bytes_start": free_start, "free_bytes_end": free_end,
+                           "total_bytes": total, "returned": free_end >= free_start}
+    failed |= free_end < free_start
+    print(f"teardown: free memory {free_start} -> {free_end} bytes", flush=True)
+
+    if not args.no_report:
+        from serving_probes.report import write_report
+
+        path = write_report(results, Path(args.out))
+        print(f"report: {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

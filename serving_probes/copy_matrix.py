@@ -1,0 +1,189 @@
+"""The spec's VMM copy matrix on a real device.
+
+Each case builds attention KV views (NHD or HND token/head order, one backing per layer
+or all layers interleaved in one backing, logical block = 1 or 2 kernel blocks) plus a
+Mamba raw-page view that aliases the first attention backing (vLLM's hybrid groups share
+tensors), all over kvcached virtual ranges. Then it:
+
+1. maps ``num_blocks`` blocks through the elastic core and fills them with known data;
+2. copies random logical blocks with `kvcached.copy.copy_blocks` and checks the result
+   against plain indexing, and that each shared backing run was copied exactly once;
+3. fills the device with ordinary torch allocations until kvcached's next map is refused
+   by the driver, and checks the refused allocation changed nothing;
+4. releases the pressure and allocates ``num_blocks`` more blocks through the bounded
+   retry (the capacity cache may hold a stale value for its TTL);
+5. verifies every block's contents again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvcached import _vmm
+from kvcached.arena import ElasticArena
+from kvcached.config import KvcachedConfig
+from kvcached.copy import copy_blocks, copy_stats, reset_copy_stats
+from kvcached.errors import PhysicalMemoryExhausted
+from kvcached.memory import tensor_view
+from kvcached.space import KvSpace, plan_geometry
+from kvcached.views import annotate
+
+BLOCK_TOKENS = 16
+HEADS = 8
+HEAD_DIM = 128
+LAYERS = 3
+DTYPE = torch.float16
+
+
+@dataclass(frozen=True)
+class CopyCase:
+    layout: str  # "NHD" | "HND"
+    layers: str  # "separate" | "interleaved"
+    ratio: int  # kernel blocks per logical block
+
+    @property
+    def name(self) -> str:
+        return f"{self.layout}-{self.layers}-r{self.ratio}"
+
+
+def all_cases() -> list[CopyCase]:
+    return [CopyCase(lay, lyr, r) for lay, lyr, r in
+            itertools.product(("NHD", "HND"), ("separate", "interleaved"), (1, 2))]
+
+
+def _layer_page_bytes() -> int:
+    return BLOCK_TOKENS * HEADS * 2 * HEAD_DIM * torch.finfo(DTYPE).bits // 8
+
+
+def _attention_view(raw_u8: torch.Tensor, case: CopyCase, num_blocks: int, offset: int,
+                    stride_bytes: int) -> torch.Tensor:
+    """A 4-D (kernel_blocks, ..., K+V) attention view at ``offset`` with the given block stride."""
+    kb_tokens = BLOCK_TOKENS // case.ratio
+    n_kernel = num_blocks * case.ratio
+    item = torch.finfo(DTYPE).bits // 8
+    if case.layout == "NHD":
+        shape = (n_kernel, kb_tokens, HEADS, 2 * HEAD_DIM)
+        inner = (HEADS * 2 * HEAD_DIM, 2 * HEAD_DIM, 1)
+    else:
+        shape = (n_kernel, HEADS, kb_tokens, 2 * HEAD_DIM)
+        inner = (kb_tokens * 2 * HEAD_DIM, 2 * HEAD_DIM, 1)
+    typed = raw_u8.view(DTYPE)
+    kernel_stride = stride_bytes // case.ratio // item
+    return torch.as_strided(typed, shape, (kernel_stride, *inner), offset // item)
+
+
+@dataclass
+class CaseResult:
+    case: str
+    blocks: int
+    pairs_copied: int
+    copy_exact: bool
+    runs_copied: int
+    runs_expected: int
+    rejected_by_driver: bool
+    rejection_left_state_unchanged: bool
+    recovered_blocks: int
+    recovery_ms: float
+    recovery_attempts_failed: int
+    contents_verified: bool
+
+
+def run_case(case: CopyCase, num_blocks: int = 600, device: str = "cuda:0", seed: int = 0) -> CaseResult:
+    torch.manual_seed(seed)
+    page = _layer_page_bytes()
+    capacity_blocks = 4 * num_blocks
+    config = KvcachedConfig(page_size=_vmm.cuda_granularity(0) if device.startswith("cuda") else 2 << 20,
+                            min_reserve_pages=0, max_reserve_pages=0, map_retries=6,
+                            retry_backoff_s=0.04)
+    n_backings = LAYERS if case.layers == "separate" else 1
+    stride = page if case.layers == "separate" else LAYERS * page
+    geometry = plan_geometry([stride] * n_backings, capacity_blocks, config.page_size)
+    ranges = tuple(_vmm.VirtualRange(device, size, config.page_size) for size in geometry.reserved_bytes)
+    arena = ElasticArena.open(KvSpace(geometry, ranges), config, name=f"probe-{case.name}")
+    try:
+        raws = [tensor_view(r, 0, r.size) for r in ranges]
+        views: list[torch.Tensor] = []
+        for layer in range(LAYERS):
+            raw = raws[layer] if case.layers == "separate" else raws[0]
+            offset = 0 if case.layers == "separate" else layer * page
+            views.append(_attention_view(raw, case, capacity_blocks, offset, stride))
+        # Mamba raw page view aliasing the first attention backing (shared tensor).
+        mamba = torch.as_strided(raws[0], (capacity_blocks, 1, 1, page), (stride, page, page, 1), 0)
+        kv_caches = [*views, mamba]
+        annotate(kv_caches, capacity_blocks, block_dim=0)
+
+        blocks = arena.ledger.allocate(num_blocks, wait=True)
+        idx = torch.tensor(blocks, device=device)
+        for v in views:
+            v[_kernel_rows(idx, case.ratio)] = torch.randn_like(v[_kernel_rows(idx, case.ratio)])
+        expected = [v[_kernel_rows(idx, case.ratio)].clone() for v in views]
+
+        # Random copies among the held blocks: unique destinations, gather-then-scatter.
+        perm = torch.randperm(num_blocks)
+        dst_pos = perm[: num_blocks // 3]
+        src_pos = torch.randint(0, num_blocks, (len(dst_pos),))
+        pairs = [(blocks[s], blocks[d]) for s, d in zip(src_pos.tolist(), dst_pos.tolist(), strict=True)]
+        reset_copy_stats()
+        copy_blocks(kv_caches, capacity_blocks, pairs)
+        torch.cuda.synchronize() if device.startswith("cuda") else None
+        for ref in expected:
+            ref_rows = ref.view(num_blocks, case.ratio, *ref.shape[1:])
+            ref_rows[dst_pos] = ref_rows[src_pos].clone()
+        copy_exact = all(
+            torch.equal(v[_kernel_rows(idx, case.ratio)], ref) for v, ref in zip(views, expected, strict=True)
+        )
+        # One backing run per backing: separate layers give LAYERS backings (the Mamba view
+        # shares the first), interleaved layers merge into one contiguous run.
+        runs_expected = n_backings
+        runs_copied = copy_stats().runs_copied
+
+        rejected, unchanged, hog = _pressure(arena, num_blocks, device)
+        del hog
+        torch.cuda.empty_cache() if device.startswith("cuda") else None
+        start = time.monotonic()
+        failures_before = arena.pool.counters().map_failures
+        more = arena.ledger.allocate(num_blocks, wait=True)
+        recovery_ms = (time.monotonic() - start) * 1000
+        failed_attempts = arena.pool.counters().map_failures - failures_before
+        more_idx = torch.tensor(more, device=device)
+        for v in views:
+            v[_kernel_rows(more_idx, case.ratio)] = 1.0
+        verified = all(
+            torch.equal(v[_kernel_rows(idx, case.ratio)], ref) for v, ref in zip(views, expected, strict=True)
+        ) and all(bool((v[_kernel_rows(more_idx, case.ratio)] == 1.0).all()) for v in views)
+        arena.ledger.release(blocks + more)
+        return CaseResult(case.name, num_blocks, len(pairs), copy_exact, runs_copied, runs_expected,
+                          rejected, unchanged, len(more), round(recovery_ms, 1), failed_attempts, verified)
+    finally:
+        arena.close()
+        for r in ranges:
+            r.close()
+
+
+def _kernel_rows(idx: torch.Tensor, ratio: int) -> torch.Tensor:
+    """Kernel-block rows of logical blocks ``idx`` (ratio consecutive rows each)."""
+    return (idx[:, None] * ratio + torch.arange(ratio, device=idx.device)).reshape(-1)
+
+
+def _pressure(arena: ElasticArena, num_blocks: int, device: str) -> tuple[bool, bool, list[torch.Tensor]]:
+    """Fill the device with torch memory until kvcached's next map is refused."""
+    hog: list[torch.Tensor] = []
+    if not device.startswith("cuda"):
+        return False, True, hog
+    chunk = 1 << 30
+    while chunk >= arena.pool.space.kv_page_bytes // 2:
+        try:
+            hog.append(torch.empty(chunk, dtype=torch.uint8, device=device))
+        except torch.OutOfMemoryError:
+            chunk //= 2
+    before = (set(arena.pool.mapped), arena.ledger.num_held)
+    try:
+        arena.ledger.allocate(num_blocks, wait=False)
+    except PhysicalMemoryExhausted:
+        after = (set(arena.pool.mapped), arena.ledger.num_held)
+        return True, after == before, hog
+    return False, True, hog
