@@ -73,7 +73,7 @@ def _sanitizer(args: argparse.Namespace) -> dict[str, object]:
         return {"status": "not run", "detail": "compute-sanitizer not found on PATH or /usr/local/cuda*/bin"}
     cmd = [tool, "--tool", "memcheck", "--leak-check", "full", "--error-exitcode", "3",
            sys.executable, "-m", "serving_probes", "--only", "copy", "--blocks", "120", "--no-report"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=1800)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=300)
     text = proc.stdout + proc.stderr
     match = re.search(r"ERROR SUMMARY: (\d+) error", text)
     errors = int(match.group(1)) if match else -1

@@ -109,7 +109,9 @@ def run_case(case: CopyCase, num_blocks: int = 600, device: str = "cuda:0", seed
         views: list[torch.Tensor] = []
         for layer in range(LAYERS):
             raw = raws[layer] if case.layers == "separate" else raws[0]
-            offset = 0 if case.layers == "separate" else layer * page
+            # Interleaving is per kernel block: a kernel row holds that kernel block of
+            # every layer, so each layer's view keeps one uniform stride along dim 0.
+            offset = 0 if case.layers == "separate" else layer * page // case.ratio
             views.append(_attention_view(raw, case, capacity_blocks, offset, stride))
         # Mamba raw page view aliasing the first attention backing (shared tensor).
         mamba = torch.as_strided(raws[0], (capacity_blocks, 1, 1, page), (stride, page, page, 1), 0)
