@@ -25,7 +25,7 @@ def write_report(results: dict[str, object], out: Path) -> Path:
     assert isinstance(env, dict)
     lines = ["# kvcached GPU probes", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in env.items()]
-    for key, title in (("copy", "VMM copy matrix"), ("cost", "Driver cost per 2 MiB page (µs, median of a run)")):
+    for key, title in (("copy", "VMM copy matrix"), ("cost", "Driver cost per 2 MiB page (µs, mean over the timed pages)")):
         rows = results.get(key)
         if rows:
             df = pd.DataFrame(rows)
@@ -38,7 +38,7 @@ def write_report(results: dict[str, object], out: Path) -> Path:
         if key in results:
             value = results[key]
             if isinstance(value, dict):
-                value = {k: v for k, v in value.items() if k != "tail"}
+                value = {k: v for k, v in value.items() if k not in ("head", "tail")}
             lines += ["", f"## {key}", "", "```", json.dumps(value, indent=2, default=str), "```"]
     (run_dir / "report.md").write_text("\n".join(lines) + "\n")
     (run_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
