@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import platform
 import re
@@ -70,24 +71,55 @@ def _environment() -> dict[str, str]:
 
 
 def _sanitizer(args: argparse.Namespace) -> dict[str, object]:
+    """Run compute-sanitizer memcheck over kvcached's CUDA paths; report each run."""
     tool = shutil.which("compute-sanitizer") or next(
         (str(p) for p in Path("/usr/local").glob("cuda*/bin/compute-sanitizer") if p.exists()), None)
     if tool is None:
         return {"status": "not run", "detail": "compute-sanitizer not found on PATH or /usr/local/cuda*/bin"}
-    cmd = [tool, "--tool", "memcheck", "--leak-check", "full", "--error-exitcode", "3",
-           sys.executable, "-m", "serving_probes", "--only", "copy", "--blocks", "120", "--no-report",
-           "--no-pressure"]
     # Without caching, torch returns device memory with cudaFree as soon as a tensor dies,
-    # so the leak check sees kvcached's and the probe's real lifetimes, not torch's cache.
+    # so a leak report names real lifetimes rather than torch's cache.
     env = {**os.environ, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=300, env=env)
-    text = proc.stdout + proc.stderr
-    match = re.search(r"ERROR SUMMARY: (\d+) error", text)
-    errors = int(match.group(1)) if match else -1
-    return {"status": "ran", "exit_code": proc.returncode, "errors": errors,
-            "environment": "PYTORCH_NO_CUDA_MEMORY_CACHING=1",
-            "command": " ".join(cmd[1:6]) + " python -m serving_probes --only copy --blocks 120 --no-pressure",
-            "head": text[:3000], "tail": text[-1500:]}
+    runs = {
+        # kvcached's own CUDA backend: reserve, map, views, OOM rollback, unmap, release.
+        "backend tests, memcheck + leak check": [
+            "--tool", "memcheck", "--leak-check", "full",
+            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_vmm_cuda.py",
+            # This test touches an unmapped slot on purpose (in a child process) to prove the
+            # fault is loud; under memcheck that planted access is, correctly, an error.
+            "-k", "not stray_access"],
+        # The copy matrix (no device filling: each deliberate OOM is reported as an API error).
+        "copy matrix, memcheck": [
+            "--tool", "memcheck",
+            sys.executable, "-m", "serving_probes", "--only", "copy", "--blocks", "120", "--no-report",
+            "--no-pressure"],
+        # Control without kvcached: torch tensors created and dropped in a function. If the
+        # leak check flags these too, its reports for the copy matrix are torch's, not ours.
+        "torch-only control, memcheck + leak check": [
+            "--tool", "memcheck", "--leak-check", "full", sys.executable, "-c",
+            ("import torch\ndef f():\n    x = torch.randn(1 << 20, device='cuda')\n    return float(x.clone().sum())\n"
+            "[f() for _ in range(3)]\ntorch.cuda.synchronize()")],
+        "copy matrix, memcheck + leak check": [
+            "--tool", "memcheck", "--leak-check", "full",
+            sys.executable, "-m", "serving_probes", "--only", "copy", "--blocks", "120", "--no-report",
+            "--no-pressure"],
+    }
+    out: dict[str, object] = {"status": "ran", "environment": "PYTORCH_NO_CUDA_MEMORY_CACHING=1"}
+    for name, argv in runs.items():
+        proc = subprocess.run([tool, "--error-exitcode", "3", *argv], capture_output=True, text=True,
+                              check=False, timeout=240, env=env)
+        text = proc.stdout + proc.stderr
+        errors = re.search(r"ERROR SUMMARY: (\d+) error", text)
+        leaks = re.search(r"LEAK SUMMARY: (\d+) bytes leaked in (\d+) allocations", text)
+        apis = sorted(set(re.findall(r"Host Frame: (cu\w+|cuda\w+) ", text)))
+        out[name] = {
+            "command": "compute-sanitizer " + " ".join(a if a != sys.executable else "python" for a in argv),
+            "exit_code": proc.returncode,
+            "errors": int(errors.group(1)) if errors else -1,
+            "leaked_bytes": int(leaks.group(1)) if leaks else 0,
+            "allocation_apis_in_reports": apis,
+            "tail": text[-1200:],
+        }
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,8 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     if "sanitizer" in args.only:
         san = _sanitizer(args)
         results["sanitizer"] = san
-        failed |= san.get("status") == "ran" and san.get("errors") != 0
-        print(f"sanitizer: { {k: v for k, v in san.items() if k not in ('head', 'tail')} }", flush=True)
+        for name, run in san.items():
+            if isinstance(run, dict):
+                failed |= run["errors"] != 0
+                print(f"sanitizer {name}: { {k: v for k, v in run.items() if k != 'tail'} }", flush=True)
 
     if "serving" in args.only:
         from serving_probes.hybrid_serving import run as run_serving
@@ -156,12 +190,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"serving: {serving.status} {serving.reason}", flush=True)
 
     torch.cuda.synchronize()
+    gc.collect()  # drop anything only a reference cycle still holds before measuring
     torch.cuda.empty_cache()
     free_end, _ = torch.cuda.mem_get_info()
     results["teardown"] = {"free_bytes_start": free_start, "free_bytes_end": free_end,
+                           "torch_live_tensor_bytes": torch.cuda.memory_allocated(),
                            "total_bytes": total, "returned": free_end >= free_start}
     failed |= free_end < free_start
-    print(f"teardown: free memory {free_start} -> {free_end} bytes", flush=True)
+    print(f"teardown: free memory {free_start} -> {free_end} bytes; torch live tensor bytes "
+          f"{torch.cuda.memory_allocated()}", flush=True)
 
     if not args.no_report:
         from serving_probes.report import write_report

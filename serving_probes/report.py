@@ -38,7 +38,8 @@ def write_report(results: dict[str, object], out: Path) -> Path:
         if key in results:
             value = results[key]
             if isinstance(value, dict):
-                value = {k: v for k, v in value.items() if k not in ("head", "tail")}
+                value = {k: ({kk: vv for kk, vv in v.items() if kk != "tail"} if isinstance(v, dict) else v)
+                         for k, v in value.items()}
             lines += ["", f"## {key}", "", "```", json.dumps(value, indent=2, default=str), "```"]
     (run_dir / "report.md").write_text("\n".join(lines) + "\n")
     (run_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
