@@ -213,6 +213,24 @@ class PagePool:
                 self.in_use.add(page)
             self._top_up()
 
+    def adopt(self, pages: Iterable[int]) -> None:
+        """Take over kv pages someone else already mapped in every backing.
+
+        They join the reserve with ticket 0 (no step of this pool can have used them) and
+        count as mapped by this pool from now on (maps and peak included, so ``maps -
+        unmaps`` stays the number of mapped pages); the pool unmaps them like its own. The
+        caller guarantees they really are mapped; nothing is mapped here.
+        """
+        with self._lock:
+            wanted = sorted(set(pages))
+            for page in wanted:
+                if page in self.in_use or page in self.reserve or not 0 <= page < self.space.num_kv_pages:
+                    raise InvariantError(f"kv page {page} is already known to the pool or out of range")
+            for page in wanted:
+                self.reserve[page] = 0
+            self._maps += len(wanted)
+            self._peak = max(self._peak, len(self.in_use) + len(self.reserve))
+
     def prefetch(self, pages: Sequence[int]) -> int:
         """Map idle ``pages`` into the reserve, one at a time, until capacity runs out.
 

@@ -71,10 +71,16 @@ def plan_geometry(strides: Sequence[int], num_blocks: int, page_size: int) -> Ge
 
 @dataclass(frozen=True)
 class KvSpace:
-    """The published backings of one engine's KV cache and their geometry."""
+    """The published backings of one engine's KV cache and their geometry.
+
+    ``premapped``: kv pages the publisher already mapped in every range before any pool
+    existed (the worker maps the null block's page so warm-up runs may read it). The pool
+    that claims the space adopts them instead of mapping them again.
+    """
 
     geometry: Geometry
     ranges: tuple[Range, ...]
+    premapped: frozenset[int] = frozenset()
 
     def page_space(self) -> PageSpace:
         return PageSpace(self.ranges, self.geometry.vmm_pages, self.geometry.num_kv_pages)

@@ -7,6 +7,7 @@ Geometry: 4 blocks per kv page; block 0 is the null block, pinned on page 0.
 
 from __future__ import annotations
 
+import gc
 import itertools
 
 import pytest
@@ -20,8 +21,9 @@ from kvcached.config import KvcachedConfig
 from kvcached.errors import InvariantError, PhysicalMemoryExhausted
 from kvcached.faults import FaultInjector
 from kvcached.fence import StepFence
-from kvcached.integration.vllm.block_pool import ElasticBlockPool
+from kvcached.integration.vllm.block_pool import ElasticBlockPool, EngineStepFence
 from kvcached.space import KvSpace, plan_geometry
+from kvcached.stats import stats
 
 _vmm = pytest.importorskip("kvcached._vmm", reason="native extension not built")
 
@@ -286,3 +288,68 @@ def test_hashing_a_free_clean_block_is_refused(rigs) -> None:
         pool.cache_full_blocks(request, [block], 0, 1, BLOCK, 0)
     assert block.block_hash is None
     pool.check()
+
+
+def test_engine_step_fence_tickets_skip_steps_without_kv_work() -> None:
+    """The async engine idles with an empty step queued; pages freed before it must go back."""
+    fence = EngineStepFence()
+    first = fence.begin_step()
+    assert fence.ticket() == first
+    empty = fence.begin_step()
+    fence.mark_kv_free(empty)
+    assert fence.ticket() == first, "the queued empty step touches no page"
+    fence.end_step()  # the first step executed; the empty one is still queued
+    assert fence.passed(fence.ticket())
+    fence.end_step()
+    busy = fence.begin_step()
+    assert fence.ticket() == busy
+    with pytest.raises(InvariantError, match="not in flight"):
+        fence.mark_kv_free(empty)
+
+
+def test_prefix_cache_reset_gives_pages_back_at_once(rigs) -> None:
+    rig = rigs()
+    pool = rig.pool
+    pool.free_blocks(reversed(cached_request(pool, 7)))
+    pool.collect()
+    assert rig.mapped() == [0, 1], "cached blocks keep their pages"
+    assert pool.reset_prefix_cache() is True
+    assert rig.mapped() == [0], "no executed step needed to unmap after a reset"
+    pool.check()
+
+
+def _pool_over(vrange: object, geometry: object, premapped: frozenset[int] = frozenset()) -> ElasticBlockPool:
+    config = KvcachedConfig(page_size=PAGE, min_reserve_pages=0, max_reserve_pages=0, capacity_ttl_s=0.0)
+    return ElasticBlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=BLOCK,
+                            kv_space=KvSpace(geometry, (vrange,), premapped), config=config, name="lifecycle")
+
+
+def test_null_page_mapped_by_the_worker_is_adopted_and_teardown_is_idempotent() -> None:
+    geometry = plan_geometry([STRIDE], 8, PAGE)
+    vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE)
+    vrange.map([0])  # what the worker does at allocation, before any pool exists
+    pool = _pool_over(vrange, geometry, frozenset({0}))
+    (key,) = [k for k in stats() if k.startswith("lifecycle")]
+    assert vrange.mapped_pages() == [0] and pool.ledger.is_held(0)
+    assert stats()[key].mapped_bytes == stats()[key].peak_mapped_bytes == PAGE
+    assert (stats()[key].maps, stats()[key].unmaps) == (1, 0), "adopted: the pool owns the page now"
+    pool.free_blocks(reversed(pool.get_new_blocks(6)))
+    counters = pool.page_pool.counters()
+    pool.close()
+    assert pool.page_pool.counters().unmaps - counters.unmaps == counters.maps - counters.unmaps == 2
+    assert pool.closed and vrange.num_mapped == 0 and key not in stats()
+    pool.close()  # idempotent
+    vrange.close()
+
+
+def test_a_pool_never_shut_down_is_closed_when_collected() -> None:
+    geometry = plan_geometry([STRIDE], 8, PAGE)
+    vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE)
+    pool = _pool_over(vrange, geometry)
+    pool.get_new_blocks(5)
+    assert vrange.num_mapped == 2
+    del pool
+    gc.collect()
+    assert vrange.num_mapped == 0
+    assert not [k for k in stats() if k.startswith("lifecycle")]
+    vrange.close()

@@ -14,15 +14,17 @@ import vllm
 from vllm.v1.core import block_pool, kv_cache_coordinator, kv_cache_manager
 from vllm.v1.core.sched import async_scheduler
 from vllm.v1.core.sched import scheduler as vllm_scheduler
-from vllm.v1.worker import gpu_model_runner
+from vllm.v1.worker import cpu_worker, gpu_model_runner, gpu_worker
 
 from kvcached.errors import ConfigError, IntegrationError
 from kvcached.integration.vllm import plugin, scheduler
 
 SWITCHES = ("KVCACHED_ENABLE", "ENABLE_KVCACHED")
-# Loaded up front so their namespaces are in every snapshot (the seams live there).
+# Loaded up front so their namespaces are in every snapshot (the seams live there). The
+# worker modules also patch vLLM's own namespaces when first imported (cpu/shm.py replaces
+# torch_utils.async_tensor_h2d), which must not be mistaken for a seam.
 SEAM_MODULES = (block_pool, kv_cache_coordinator, kv_cache_manager, vllm_scheduler, async_scheduler,
-                gpu_model_runner)
+                gpu_model_runner, gpu_worker, cpu_worker)
 
 
 def owners() -> list[Any]:

@@ -74,12 +74,15 @@ def build(config: KVCacheConfig, groups: list[tuple[Any, type, list[str]]]) -> t
     raw = GPUModelRunner._allocate_kv_cache_tensors(runner, config)
     published = space.claim(config.num_blocks)
     assert published is not None
-    # exactly KVCacheTensor.size bytes per tensor, over an unmapped range
+    # exactly KVCacheTensor.size bytes per tensor, over a range where only the null block's
+    # kv page is mapped (warm-up may read block 0 before the scheduler's pool exists)
     for t in config.kv_cache_tensors:
         tensor = raw[t.shared_by[0]]
         assert tensor.dtype == torch.int8 and tensor.numel() == t.size
         assert tensor.untyped_storage().data_ptr() in {r.address for r in published.ranges}
-    assert all(r.num_mapped == 0 for r in published.ranges)
+    assert published.premapped == {worker.NULL_BLOCK_PAGE}
+    vmm = published.geometry.vmm_pages
+    assert [r.mapped_pages() for r in published.ranges] == [list(range(k)) for k in vmm]
     kv = GPUModelRunner._reshape_kv_cache_tensors(runner, raw, [g[0].block_size for g in groups])
     return kv, published
 
@@ -87,7 +90,7 @@ def build(config: KVCacheConfig, groups: list[tuple[Any, type, list[str]]]) -> t
 def map_blocks(published: space.KvSpace, blocks: set[int]) -> None:
     """Map only the kv pages holding ``blocks`` (every other byte stays PROT_NONE)."""
     g = published.geometry
-    for p in sorted({b // g.blocks_per_page for b in blocks}):
+    for p in sorted({b // g.blocks_per_page for b in blocks} - published.premapped):
         published.page_space().map_page(p)
 
 

@@ -44,8 +44,17 @@ Fault injection (`kvcached.faults`): the admission check runs site ``"admission"
 ``"cow_admission"``; an injected failure maps and reclaims nothing and reports fewer
 free blocks than the demand, so that admission attempt is a scheduling miss.
 
-Pages whose blocks are all CLEAN go back to the `PagePool`, ticketed by the step fence;
-they are unmapped by `collect` once every step that may still touch them has executed.
+Pages whose blocks are all CLEAN go back to the `PagePool`, ticketed by the step fence
+(an `EngineStepFence`: steps that touch no KV hold no ticket); they are unmapped by
+`collect` once every step that may still touch them has executed.
+
+Start and teardown. The worker maps the null block's kv page when it allocates the KV
+tensors (warm-up runs may read block 0 before this pool exists); the pool adopts that
+page and pins it. `close` unmaps every page, leaves the stats registry and withdraws the
+published space; the scheduler seam calls it from ``Scheduler.shutdown`` (engine
+shutdown), and a finalizer calls it when a pool that was never shut down is collected.
+It is idempotent and logs nothing.
+
 ``take_events``, ``get_cached_block``, ``cache_full_blocks``, ``cache_partial_block``,
 ``move_block_hashes`` and ``emit_cached_block_events`` are vLLM's, inherited unchanged.
 """
@@ -53,6 +62,7 @@ they are unmapped by `collect` once every step that may still touch them has exe
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -66,11 +76,60 @@ from kvcached.faults import FaultInjector
 from kvcached.fence import StepFence
 from kvcached.ledger import BlockLedger
 from kvcached.pages import PagePool
-from kvcached.space import KvSpace, claim
+from kvcached.space import KvSpace, claim, withdraw
 from kvcached.stats import register as register_stats
 from kvcached.stats import unregister as unregister_stats
 
 ADMISSION_SITES = frozenset({"admission", "cow_admission"})
+
+
+class EngineStepFence(StepFence):
+    """A `StepFence` that knows which in-flight steps cannot touch KV memory.
+
+    vLLM's batch-queue engine loop (async scheduling) may schedule a step with no work
+    (every running request is already scheduled) and then stop stepping once no request
+    is unfinished: that empty step stays queued, unexecuted, until the next request
+    arrives. A page released meanwhile would be ticketed for it and stay mapped for as
+    long as the engine idles. A step that schedules no tokens, no copies, no zeroing and
+    no connector work reads and writes no block, so `ticket` skips such steps: it is the
+    newest in-flight step that may touch KV, or the last executed one if none may.
+
+    Invariant: every step in ``_kv_free`` is in flight (``executed < step <= scheduled``).
+    A step is marked only after it was scheduled, so anything released while it was being
+    scheduled already holds its ticket (conservative).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._kv_free: set[int] = set()
+
+    def mark_kv_free(self, step: int) -> None:
+        """Step ``step`` (scheduled, not yet executed) reads and writes no KV block."""
+        with self._lock:
+            if not self.executed < step <= self.scheduled:
+                raise InvariantError(
+                    f"step {step} is not in flight (scheduled={self.scheduled}, executed={self.executed})"
+                )
+            self._kv_free.add(step)
+
+    def end_step(self) -> None:
+        super().end_step()
+        with self._lock:
+            self._kv_free.discard(self.executed)
+
+    def ticket(self) -> int:
+        with self._lock:
+            step = self.scheduled
+            while step > self.executed and step in self._kv_free:
+                step -= 1
+            return step
+
+
+def _release_pool(page_pool: PagePool, stats_key: str, space: KvSpace) -> None:
+    """Teardown shared by `ElasticBlockPool.close` and its finalizer (must not hold the pool)."""
+    unregister_stats(stats_key)
+    page_pool.close()
+    withdraw(space)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +155,7 @@ class ElasticBlockPool(BlockPool):
     The first five parameters are the native constructor's, passed to it unchanged.
     ``kv_space`` is the worker's published space (default: claimed from `kvcached.space`);
     ``config``/``faults``/``fence`` default to the environment's config, its fault plan and
-    a fresh fence.
+    a fresh `EngineStepFence`.
     """
 
     def __init__(
@@ -128,8 +187,10 @@ class ElasticBlockPool(BlockPool):
         self.config = config if config is not None else KvcachedConfig.resolve()
         # An empty path means "no plan": only the config decides, not the environment again.
         self.faults = faults if faults is not None else FaultInjector.from_env(self.config.fault_plan or "")
-        self.fence = fence if fence is not None else StepFence()
+        self.fence = fence if fence is not None else EngineStepFence()
         self.page_pool = PagePool(space.page_space(), self.config, fence=self.fence, faults=self.faults)
+        # The null block's page, mapped by the worker before warm-up; pinned just below.
+        self.page_pool.adopt(space.premapped)
         self.ledger = BlockLedger(
             num_gpu_blocks,
             space.geometry.blocks_per_page,
@@ -142,6 +203,10 @@ class ElasticBlockPool(BlockPool):
         self._admission: _Admission | None = None
         self._logical_view = False
         self._stats_key = register_stats(name, self.ledger)
+        # Runs at most once: from `close`, or when a pool that was never closed is collected.
+        # Not at interpreter exit, where the process returns its memory anyway.
+        self._finalizer = weakref.finalize(self, _release_pool, self.page_pool, self._stats_key, space)
+        self._finalizer.atexit = False
 
     # ---- admission (driven by the scheduler seam) ------------------------------------
     def note_demand(self, num_blocks: int, new_computed_blocks: Iterable[Sequence[KVCacheBlock]] = ()) -> None:
@@ -322,6 +387,9 @@ class ElasticBlockPool(BlockPool):
             self._stranded.clear()
             if idle:
                 self.ledger.release(idle)
+            # Callers reset to get memory back (sleep mode, weight updates): unmap what the
+            # fence allows now instead of waiting for the next executed step.
+            self.collect()
         return ok
 
     # ---- hash hooks: ledger state only, native behaviour via super --------------------
@@ -479,9 +547,17 @@ class ElasticBlockPool(BlockPool):
                 raise InvariantError(f"{state} block {bid} sits on an unmapped page")
 
     def close(self) -> None:
-        """Forget the stats entry and unmap every page (engine teardown)."""
-        unregister_stats(self._stats_key)
-        self.page_pool.close()
+        """Engine teardown: leave the stats registry, unmap every page, withdraw the space.
+
+        Idempotent and silent. Only for a stopped engine: the worker's KV views stay
+        reserved but unmapped, so a step after this would fault.
+        """
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` ran (or the finalizer did)."""
+        return not self._finalizer.alive
 
 
 def kv_space_claim(num_blocks: int) -> KvSpace:

@@ -1,6 +1,6 @@
 """Scheduler-side seams: where kvcached enters vLLM's EngineCore.
 
-Four attributes are replaced (`install`), each restored exactly by `uninstall`:
+Six attributes are replaced (`install`), each restored exactly by `uninstall`:
 
 ``vllm.v1.core.kv_cache_coordinator.BlockPool``
     The coordinator builds its one GPU pool through this module-level name. It becomes
@@ -36,6 +36,15 @@ Four attributes are replaced (`install`), each restored exactly by `uninstall`:
     both ``step`` and ``step_with_batch_queue`` (a batch whose sampling is deferred is
     re-queued and processed later), so the counters stay paired. ``AsyncScheduler``
     inherits both methods; `install` refuses a vLLM where a subclass overrides them.
+    A step whose output schedules no KV work (`touches_kv` is False) is marked on the
+    fence after ``schedule`` returns, so it holds no page: the async engine leaves such an
+    empty step queued while idle, and pages freed at the end of a burst must still go back.
+
+``Scheduler.shutdown`` (teardown)
+    ``EngineCore.shutdown`` stops the executor first and then calls this; after vLLM's own
+    shutdown the elastic pool is closed: every page unmapped, its ``kvcached.stats()``
+    entry gone, the published KV space withdrawn. A pool that is never shut down is
+    closed when it is garbage-collected (`ElasticBlockPool` finalizer).
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcached.errors import IntegrationError
-from kvcached.integration.vllm.block_pool import ElasticBlockPool
+from kvcached.integration.vllm.block_pool import ElasticBlockPool, EngineStepFence
 from kvcached.integration.vllm.capabilities import Capabilities
 
 _MISSING: Any = object()
@@ -192,13 +201,32 @@ def _scheduler_pool(scheduler: Any) -> ElasticBlockPool | None:
     return _elastic_pool(getattr(scheduler, "kv_cache_manager", None))
 
 
+def touches_kv(output: Any) -> bool:
+    """Whether the worker may read or write a KV block while running this step.
+
+    Conservative: any scheduled token, block copy, block to zero, connector metadata or
+    tail offload counts (fields a vLLM lacks count as absent).
+    """
+    if getattr(output, "total_num_scheduled_tokens", 1):
+        return True
+    for name in ("kv_cache_block_copies", "new_block_ids_to_zero", "partial_tail_offloads"):
+        if getattr(output, name, None):
+            return True
+    return getattr(output, "kv_connector_metadata", None) is not None
+
+
 def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
         pool = _scheduler_pool(self)
-        if pool is not None:
-            pool.fence.begin_step()
-        return original(self, *args, **kwargs)
+        if pool is None:
+            return original(self, *args, **kwargs)
+        # Before the original: pages emptied while scheduling this step get its ticket.
+        step = pool.fence.begin_step()
+        output = original(self, *args, **kwargs)
+        if isinstance(pool.fence, EngineStepFence) and not touches_kv(output):
+            pool.fence.mark_kv_free(step)
+        return output
 
     return schedule
 
@@ -214,6 +242,19 @@ def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]
         return outputs
 
     return update_from_output
+
+
+def _wrap_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        # EngineCore stopped the executor before calling this: no step can touch a page.
+        pool = _scheduler_pool(self)
+        if pool is not None:
+            pool.close()
+        return result
+
+    return shutdown
 
 
 # ---- install / uninstall --------------------------------------------------------------
@@ -266,6 +307,7 @@ def _plan() -> list[tuple[Any, str, Any]]:
         (sched, "schedule", _wrap_schedule(_require_own_method(sched, "schedule"))),
         (sched, "update_from_output",
          _wrap_update_from_output(_require_own_method(sched, "update_from_output"))),
+        (sched, "shutdown", _wrap_shutdown(_require_own_method(sched, "shutdown"))),
     ]
 
 

@@ -1,16 +1,20 @@
-"""Worker-side seams: KV tensors over virtual ranges, byte-page metadata, block copies.
+"""Worker-side seams: KV tensors over virtual ranges, byte-page metadata, block copies,
+and the KV capacity the worker reports.
 
 Model Runner V1 (vLLM 0.26-0.28; 0.29 removed the allocation methods and is refused).
-Four attributes are replaced by `install`, each restored exactly by `uninstall`:
+These attributes are replaced by `install`, each restored exactly by `uninstall`:
 
 ``GPUModelRunner._allocate_kv_cache_tensors``
     Returns, per layer, an int8 tensor of exactly ``KVCacheTensor.size`` bytes, like
     vLLM's ``torch.zeros``, but over a `kvcached._vmm.VirtualRange`: one range per
     ``KVCacheTensor``, or one range for all packed tensors (``block_stride > 0``), which
     alias one backing exactly as in vLLM. Each range is rounded up to whole kv pages
-    (`kvcached.space.plan_geometry`) and nothing is mapped here: the scheduler's pool maps
-    pages before any step touches their blocks. The ranges and their geometry are
-    published in `kvcached.space` for that pool to claim.
+    (`kvcached.space.plan_geometry`). Only kv page 0, the page of vLLM's null block
+    (block 0), is mapped here: the worker's warm-up (CUDA-graph capture, dummy runs with
+    zeroed block tables) reads block 0 *before* the scheduler builds its pool, and an
+    unmapped page would fault. The ranges, their geometry and that premapped page are
+    published in `kvcached.space`; the scheduler's pool adopts the page, pins the null
+    block on it, and maps every other page before any step touches its blocks.
 
 ``GPUModelRunner._reshape_kv_cache_tensors``
     Runs vLLM's own reshape (including its in-place hybrid restride), then attaches
@@ -33,14 +37,58 @@ Four attributes are replaced by `install`, each restored exactly by `uninstall`:
     runs once. The runner's call site and timing are untouched. Model Runner V2 is not
     patched (kvcached requires ``VLLM_USE_V2_MODEL_RUNNER=0``).
 
+Memory profiling (the KV capacity, in bytes, the worker reports to the engine, from
+which vLLM derives ``num_blocks``). kvcached's KV tensors are virtual: nothing is
+committed when they are made, pages are mapped per admission and given back when idle,
+and an admission that finds no physical memory is a scheduling miss, not an error. So
+the worker reports the *virtual* capacity vLLM would use, capped by the physical budget
+kvcached is configured with (`physical_cap_bytes`: ``KVCACHED_BUDGET_BYTES``, else the
+limit of the shared budget file ``KVCACHED_BUDGET_PATH``): blocks beyond the budget
+could never be mapped, and reporting them would only turn every admission past the
+budget into a miss. Without a budget the native capacity is reported unchanged.
+
+``CPUWorker.determine_available_memory`` (CPU platform only)
+    vLLM sizes the CPU KV cache from ``kv_cache_memory_bytes`` (or
+    ``VLLM_CPU_KVCACHE_SPACE``) and refuses a size above the node's currently available
+    memory, i.e. it demands the whole cache up front. With an explicit size kvcached
+    runs vLLM's model warm-up and reports that size, capped, without the up-front check.
+    Without one, vLLM's own RSS-based sizing (and its checks) runs and its result is
+    capped.
+
+``Worker.determine_available_memory`` and ``vllm.v1.worker.gpu_worker.request_memory``
+(GPU; designed, not run here: this project's CI has no GPU)
+    ``Worker.init_device`` calls ``request_memory``, which takes ``total memory x
+    gpu_memory_utilization`` as this engine's share and refuses to start unless that
+    much is free *now*. Peers sharing the device through kvcached legitimately hold
+    memory they will give back, so the replacement returns the same share without the
+    free-memory check. ``determine_available_memory`` keeps vLLM's profiling: the share
+    minus what this process's profile run measured (weights, activation peak, non-torch
+    growth during the run, CUDA-graph estimate), or ``kv_cache_memory_bytes`` when set
+    (vLLM then profiles without any free-memory arithmetic); the result is the virtual
+    capacity and is capped by the budget. Memory peers hold at start-up is in neither
+    snapshot difference, so it does not shrink the capacity. Limitation, left visible:
+    a peer that maps or unmaps pages *during* this engine's profile run changes the
+    measured non-torch growth (a release even trips vLLM's own assertion). Co-located
+    engines should pass ``kv_cache_memory_bytes``, whose path has no such arithmetic.
+    Other ``Worker`` subclasses that override ``determine_available_memory`` (XPU) run
+    on devices kvcached does not back (`allocate_kv_cache_tensors` refuses them).
+
 "Disabled" is decided at `install` from ``KVCACHED_ENABLE``/``ENABLE_KVCACHED``: the
 plugin only installs when enabled, but a disabled install makes every seam a pure
 delegation to vLLM, so tests and tools can install the seams without changing behaviour.
+
+Versions: the memory seams are checked against vLLM 0.28.0's source. `install` checks
+the shape they rely on (the attributes exist where expected, ``request_memory`` is still
+vLLM's helper) and refuses, patching nothing, a vLLM that differs; there is no
+capability row because no supported series is known to differ.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import math
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -51,20 +99,27 @@ import torch
 from kvcached import space as _space
 from kvcached.config import KvcachedConfig, enabled_from_env
 from kvcached.copy import copy_blocks
-from kvcached.errors import CopyValidationError, IntegrationError
+from kvcached.errors import ConfigError, CopyValidationError, IntegrationError
 from kvcached.integration.vllm.capabilities import Capabilities
 from kvcached.views import BytePageMeta, attach_meta, describe_block_view
 
 __all__ = [
+    "NULL_BLOCK_PAGE",
     "allocate_kv_cache_tensors",
     "annotate_runner_views",
+    "capped_kv_bytes",
     "install",
     "installed_capabilities",
     "is_enabled",
+    "physical_cap_bytes",
     "uninstall",
 ]
 
 _MISSING: Any = object()
+_logger = logging.getLogger(__name__)
+
+#: kv page of vLLM's null block (block 0): mapped by the worker at allocation.
+NULL_BLOCK_PAGE = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,8 +208,35 @@ def _expected_layers(runner: Any, kv_cache_config: Any) -> set[str]:
     return {n for g in kv_cache_config.kv_cache_groups for n in g.layer_names if n not in skip}
 
 
+def _map_granularity(device: str) -> int:
+    """The smallest page size the VMM backend accepts on ``device`` (a multiple of 4 KiB)."""
+    from kvcached import _vmm
+
+    native = _vmm.os_page_size() if device == "cpu" else _vmm.cuda_granularity(int(device.split(":")[1]))
+    return math.lcm(4096, int(native))
+
+
+def _plan_geometry(strides: Sequence[int], num_blocks: int, page_size: int, device: str) -> _space.Geometry:
+    """`kvcached.space.plan_geometry`, naming a page size that fits when the configured one does not.
+
+    An unpadded Mamba page (a pure SSM model: 19840 bytes for the tiny Mamba2, 128 x 155)
+    shares no large power of two with any page size, so a kv page would span many VMM
+    pages; a page size that is a multiple of the block stride avoids that.
+    """
+    try:
+        return _space.plan_geometry(strides, num_blocks, page_size)
+    except ConfigError as exc:
+        fit = math.lcm(_map_granularity(device), *strides)
+        raise ConfigError(
+            f"{exc}. On {device}, KVCACHED_PAGE_SIZE={fit} (or a multiple) holds whole blocks of every backing"
+        ) from exc
+
+
 def allocate_kv_cache_tensors(runner: Any, kv_cache_config: Any) -> dict[str, torch.Tensor]:
-    """kvcached's ``_allocate_kv_cache_tensors``: int8 tensors over unmapped virtual ranges."""
+    """kvcached's ``_allocate_kv_cache_tensors``: int8 tensors over virtual ranges.
+
+    Only the null block's kv page is mapped on return (see the module docstring).
+    """
     from kvcached import _vmm
     from kvcached.arena import make_budget
     from kvcached.memory import tensor_view
@@ -162,8 +244,8 @@ def allocate_kv_cache_tensors(runner: Any, kv_cache_config: Any) -> dict[str, to
     plans = _plan_backings(kv_cache_config)
     config = KvcachedConfig.resolve()
     num_blocks = int(kv_cache_config.num_blocks)
-    geometry = _space.plan_geometry([p.stride for p in plans], num_blocks, config.page_size)
     device = _device_string(torch.device(runner.device))
+    geometry = _plan_geometry([p.stride for p in plans], num_blocks, config.page_size, device)
     budget = make_budget(config)
     ranges = []
     tensors: dict[str, torch.Tensor] = {}
@@ -182,7 +264,10 @@ def allocate_kv_cache_tensors(runner: Any, kv_cache_config: Any) -> dict[str, to
             "KV tensors do not cover the KV cache groups' layers: missing "
             f"{sorted(expected - set(tensors))}, unexpected {sorted(set(tensors) - expected)}"
         )
-    _space.publish(_space.KvSpace(geometry, tuple(ranges)))
+    space = _space.KvSpace(geometry, tuple(ranges), premapped=frozenset({NULL_BLOCK_PAGE}))
+    # Warm-up may read block 0 before the scheduler's pool exists; the pool adopts the page.
+    space.page_space().map_page(NULL_BLOCK_PAGE)
+    _space.publish(space)
     with _lock:
         _state.backing_strides = strides
     return tensors
@@ -299,6 +384,76 @@ def _wrap_copy(original: Callable[..., None]) -> Callable[..., None]:
     return copy_kv_cache_blocks_inplace
 
 
+# ---- (d) memory profiling -------------------------------------------------------------------
+def physical_cap_bytes(config: KvcachedConfig | None = None) -> int | None:
+    """The physical bytes this engine's KV pages may ever occupy, or None (no budget of ours).
+
+    ``budget_bytes`` wins: `kvcached.arena.make_budget` also writes it into a shared
+    budget file as that file's limit. Otherwise the limit already recorded in the shared
+    file ``budget_path``; a missing file is a configuration error, because attaching would
+    create one with limit 0 and no block could ever be mapped.
+    """
+    config = config if config is not None else KvcachedConfig.resolve()
+    if config.budget_bytes is not None:
+        return config.budget_bytes
+    if not config.budget_path:
+        return None
+    if not os.path.exists(config.budget_path):
+        raise ConfigError(
+            f"KVCACHED_BUDGET_PATH={config.budget_path!r} does not exist and KVCACHED_BUDGET_BYTES is "
+            "unset, so the shared budget has no limit yet; set KVCACHED_BUDGET_BYTES"
+        )
+    from kvcached import _vmm
+
+    return int(_vmm.Budget(0, config.budget_path).limit)  # 0: attach, keep the file's limit
+
+
+def capped_kv_bytes(virtual_bytes: int, config: KvcachedConfig | None = None) -> int:
+    """The KV capacity to report: ``virtual_bytes``, at most the physical budget."""
+    cap = physical_cap_bytes(config)
+    reported = int(virtual_bytes) if cap is None else min(int(virtual_bytes), cap)
+    _logger.info("kvcached: KV capacity %d bytes (virtual %d, physical budget %s)", reported,
+                 int(virtual_bytes), "none" if cap is None else cap)
+    return reported
+
+
+def _wrap_cpu_determine(original: Callable[..., int]) -> Callable[..., int]:
+    @functools.wraps(original)
+    def determine_available_memory(self: Any) -> int:
+        if not _state.enabled:
+            return original(self)
+        explicit = self.cache_config.kv_cache_memory_bytes
+        if explicit is None:
+            return capped_kv_bytes(original(self))  # vLLM's RSS-based sizing, checks included
+        # vLLM's version warms the model up first, then checks `explicit` against the
+        # node's available memory; the KV tensors are virtual, so only the warm-up applies.
+        self.model_runner.warming_up_model()
+        return capped_kv_bytes(explicit)
+
+    return determine_available_memory
+
+
+def _wrap_gpu_determine(original: Callable[..., int]) -> Callable[..., int]:
+    @functools.wraps(original)
+    def determine_available_memory(self: Any) -> int:
+        available = original(self)
+        return capped_kv_bytes(available) if _state.enabled else available
+
+    return determine_available_memory
+
+
+def _wrap_request_memory(original: Callable[..., int]) -> Callable[..., int]:
+    @functools.wraps(original)
+    def request_memory(init_snapshot: Any, cache_config: Any) -> int:
+        if not _state.enabled:
+            return original(init_snapshot, cache_config)
+        # vLLM's share of the device, without "that much must be free now": peers'
+        # elastic pages come and go, and kvcached admits only what can be mapped.
+        return math.ceil(init_snapshot.total_memory * cache_config.gpu_memory_utilization)
+
+    return request_memory
+
+
 # ---- install / uninstall ---------------------------------------------------------------------
 def _own(owner: Any, name: str) -> Any:
     return vars(owner).get(name, _MISSING)
@@ -329,6 +484,39 @@ def _require_own(owner: Any, name: str) -> Callable[..., Any]:
     return value
 
 
+def _own_callable(owner: Any, name: str) -> Callable[..., Any]:
+    """``owner.name`` must be defined on ``owner`` itself (subclasses may override it)."""
+    value = _own(owner, name)
+    if value is _MISSING or not callable(value):
+        raise IntegrationError(f"{owner.__qualname__}.{name} is not where kvcached expects it")
+    return value
+
+
+def _memory_plan() -> list[tuple[Any, str, Any]]:
+    """The memory-profiling seams (see the module docstring), after checking vLLM's shape."""
+    from vllm.platforms import current_platform
+    from vllm.v1.worker import gpu_worker, utils
+
+    request = _require_own(gpu_worker, "request_memory")
+    if request is not utils.request_memory:
+        raise IntegrationError(
+            "vllm.v1.worker.gpu_worker.request_memory is not vLLM's helper; another plugin replaced it"
+        )
+    # CPUWorker overrides determine_available_memory and gets its own seam below.
+    plan = [
+        (gpu_worker, "request_memory", _wrap_request_memory(request)),
+        (gpu_worker.Worker, "determine_available_memory",
+         _wrap_gpu_determine(_own_callable(gpu_worker.Worker, "determine_available_memory"))),
+    ]
+    if current_platform.is_cpu():
+        from vllm.v1.worker import cpu_worker
+
+        cpu = cpu_worker.CPUWorker
+        plan.append((cpu, "determine_available_memory",
+                     _wrap_cpu_determine(_require_own(cpu, "determine_available_memory"))))
+    return plan
+
+
 def _plan(caps: Capabilities) -> list[tuple[Any, str, Any]]:
     """(owner, attribute, replacement) for every seam, after checking vLLM's shape."""
     if caps.allocate_kv_cache:
@@ -356,6 +544,7 @@ def _plan(caps: Capabilities) -> list[tuple[Any, str, Any]]:
             _wrap_profiling(_require_own(runner, "_init_minimal_kv_cache_for_profiling")),
         ),
         (gpu_model_runner, "copy_kv_cache_blocks_inplace", _wrap_copy(copy_original)),
+        *_memory_plan(),
     ]
 
 
