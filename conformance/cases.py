@@ -1,0 +1,345 @@
+"""The case model: what one side-by-side comparison runs, and the default matrices.
+
+A case is archetype × scheduling × prefix caching × prompt-length set × prefix pattern ×
+fault plan (× control, for the harness's own self-checks). Everything here is frozen and
+hashable; nothing imports vLLM, so the parent process and the tests stay light.
+
+Invariants:
+* ``Case.case_id`` is unique within a matrix and stable across runs (it names report rows
+  and result files).
+* The reference side never runs a fault plan or a control perturbation: those apply to the
+  candidate (fault plans) or to the control side (controls) only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from conformance.faultplan import (
+    SITE_COW_ADMISSION,
+    SITE_MAP,
+    TRIGGER_PARTIAL_PREFIX_HIT,
+    FaultRule,
+)
+from conformance.models import MODEL_SPECS, ModelSpec
+
+
+class Scheduling(str, Enum):
+    SYNC = "sync"
+    ASYNC = "async"
+
+
+class PrefixPattern(str, Enum):
+    """How the prompts of a case share prefixes (see ``workload.py`` for the exact shapes)."""
+
+    WARM_THEN_ALL = "warm3"  # cache three prompts first, then run all of them
+    PARTIAL_COW = "partial"  # prefixes that end inside a block on a hash boundary (copy-on-write)
+    SHARED_CONCURRENT = "shared"  # concurrent requests that share prefixes
+
+
+class LengthSet(str, Enum):
+    BOUNDARY = "boundary"  # 1, hash±1, block±1, 2*block-1, a page straddle
+    EXTENDED = "extended"  # BOUNDARY plus longer multi-block prompts (memory pressure)
+
+
+class Control(str, Enum):
+    """Self-checks of the harness, run on a third (native) engine process."""
+
+    NONE = "none"
+    BASELINE = "native-baseline"  # native vs native: the noise floor, must be exact
+    NEG_WEIGHTS = "neg-weights"  # other random weights: must be reported as a mismatch
+    NEG_KV = "neg-kv-corrupt"  # one cached KV block corrupted between passes: must mismatch
+
+    @property
+    def expects_mismatch(self) -> bool:
+        return self in (Control.NEG_WEIGHTS, Control.NEG_KV)
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """A named fault plan for the candidate engine.
+
+    ``rules`` go into the kvcached plan file; ``physical_budget`` asks for a physical KV
+    budget so small that preemption must happen (KVCACHED_BUDGET_BYTES for kvcached).
+    ``expected_fired`` is what the plan must report for the case to pass.
+    """
+
+    name: str
+    rules: tuple[FaultRule, ...] = ()
+    physical_budget: bool = False
+    description: str = ""
+
+    @property
+    def is_none(self) -> bool:
+        return not self.rules and not self.physical_budget
+
+    @property
+    def expected_fired(self) -> int:
+        return sum(r.fail_next for r in self.rules)
+
+    @property
+    def needs_partial_hits(self) -> bool:
+        return any(r.after_trigger == TRIGGER_PARTIAL_PREFIX_HIT for r in self.rules)
+
+
+NO_FAULTS = FaultPlan("none", description="no injected faults")
+COW_ADMISSION_X2 = FaultPlan(
+    "cow-admission-x2",
+    (FaultRule(SITE_COW_ADMISSION, fail_next=2, after_trigger=TRIGGER_PARTIAL_PREFIX_HIT),),
+    description="after a real partial-prefix hit, reject two consecutive CoW admission attempts",
+)
+MAP_MID_ALLOCATION = FaultPlan(
+    "map-mid-alloc",
+    (FaultRule(SITE_MAP, fail_next=1, skip=1),),
+    description="fail the second page map, in the middle of an allocation",
+)
+TINY_BUDGET = FaultPlan(
+    "tiny-budget",
+    physical_budget=True,
+    description="physical KV budget so small that preemption must happen",
+)
+FAULT_PLANS: dict[str, FaultPlan] = {p.name: p for p in (NO_FAULTS, COW_ADMISSION_X2, MAP_MID_ALLOCATION, TINY_BUDGET)}
+
+
+@dataclass(frozen=True)
+class Archetype:
+    """A tiny model plus the engine arguments that make it run on CPU.
+
+    ``engine_kwargs`` are passed to both engines unchanged. ``partial_hits`` says whether
+    the hash granularity is finer than the block (hybrids with ``prefix_match_unit``), which
+    is what makes partial-prefix hits and copy-on-write possible at all.
+    """
+
+    name: str
+    family: str  # "dense" | "ssm" | "hybrid"
+    engine_kwargs: tuple[tuple[str, Any], ...] = ()
+    partial_hits: bool = False
+    slow: bool = False  # GDN kernels: a few seconds per pass on 2 cores
+    description: str = ""
+
+    @property
+    def model(self) -> ModelSpec:
+        return MODEL_SPECS[self.name]
+
+    @property
+    def dtype(self) -> str:
+        return self.model.torch_dtype
+
+
+ARCHETYPES: dict[str, Archetype] = {
+    a.name: a
+    for a in (
+        Archetype("llama", "dense", (("block_size", 16),), description="Llama, 2 layers, fp32, block 16"),
+        Archetype("qwen3", "dense", (("block_size", 32),), description="Qwen3, 2 layers, fp32, block 32"),
+        Archetype("mamba2", "ssm", (), description="Mamba2 (pure SSM, align mode), fp32"),
+        Archetype(
+            "nemotron_h",
+            "hybrid",
+            (("prefix_match_unit", 16),),
+            partial_hits=True,
+            description="NemotronH (M,-,*,-), fp32, hash 16 inside 128-token blocks",
+        ),
+        Archetype(
+            "granitemoehybrid",
+            "hybrid",
+            (("prefix_match_unit", 16),),
+            partial_hits=True,
+            description="GraniteMoeHybrid (3 mamba + 1 attention, MoE), fp32, hash 16",
+        ),
+        Archetype(
+            "falcon_h1",
+            "hybrid",
+            (("block_size", 16), ("prefix_match_unit", 16)),
+            partial_hits=True,
+            description="FalconH1 (parallel attention+mamba), fp32, block enlarged to 48, hash 16",
+        ),
+        Archetype(
+            "qwen3_next",
+            "hybrid",
+            (("block_size", 16), ("prefix_match_unit", 16), ("mamba_ssm_cache_dtype", "float32")),
+            partial_hits=True,
+            slow=True,
+            description="Qwen3-Next (3 GDN + 1 attention, MoE), bf16, block enlarged to 528, hash 16",
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    archetype: Archetype
+    scheduling: Scheduling = Scheduling.SYNC
+    prefix_caching: bool = True
+    lengths: LengthSet = LengthSet.BOUNDARY
+    pattern: PrefixPattern = PrefixPattern.WARM_THEN_ALL
+    fault: FaultPlan = NO_FAULTS
+    control: Control = Control.NONE
+    max_tokens: int = 16
+    top_logprobs: int = 5
+    tags: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        if self.pattern is PrefixPattern.PARTIAL_COW and not self.archetype.partial_hits:
+            raise ValueError(f"{self.archetype.name}: hash == block, partial prefixes cannot hit")
+        if self.fault.needs_partial_hits and self.pattern is not PrefixPattern.PARTIAL_COW:
+            raise ValueError("a partial-prefix-triggered plan needs the partial prefix pattern")
+        if not self.prefix_caching and self.pattern is not PrefixPattern.WARM_THEN_ALL:
+            raise ValueError("prefix patterns other than warm3 need prefix caching")
+        if self.control is not Control.NONE and not self.fault.is_none:
+            raise ValueError("controls run without fault plans")
+
+    @property
+    def case_id(self) -> str:
+        parts = [
+            self.archetype.name,
+            self.scheduling.value,
+            "pc" if self.prefix_caching else "nopc",
+            self.lengths.value,
+            self.pattern.value,
+            self.fault.name,
+        ]
+        if self.control is not Control.NONE:
+            parts.append(self.control.value)
+        return "-".join(parts)
+
+    @property
+    def is_control(self) -> bool:
+        return self.control is not Control.NONE
+
+    def describe(self) -> str:
+        """Human-readable case name for the summary table."""
+        sched = "synchronous" if self.scheduling is Scheduling.SYNC else "asynchronous"
+        pc = "prefix caching" if self.prefix_caching else "no prefix caching"
+        text = f"{self.archetype.name}, {self.pattern.value}, {self.lengths.value} lengths, {pc}, {sched}"
+        if not self.fault.is_none:
+            text = f"{self.fault.description} ({text})"
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "case_id": self.case_id,
+            "archetype": self.archetype.name,
+            "scheduling": self.scheduling.value,
+            "prefix_caching": self.prefix_caching,
+            "lengths": self.lengths.value,
+            "pattern": self.pattern.value,
+            "fault": self.fault.name,
+            "control": self.control.value,
+            "max_tokens": self.max_tokens,
+            "top_logprobs": self.top_logprobs,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Case:
+        return cls(
+            archetype=ARCHETYPES[data["archetype"]],
+            scheduling=Scheduling(data["scheduling"]),
+            prefix_caching=bool(data["prefix_caching"]),
+            lengths=LengthSet(data["lengths"]),
+            pattern=PrefixPattern(data["pattern"]),
+            fault=FAULT_PLANS[data["fault"]],
+            control=Control(data["control"]),
+            max_tokens=int(data["max_tokens"]),
+            top_logprobs=int(data["top_logprobs"]),
+        )
+
+
+def _arch_cases(a: Archetype, scheds: Iterable[Scheduling], slow: bool) -> list[Case]:
+    out: list[Case] = []
+    for s in scheds:
+        out.append(Case(a, s, pattern=PrefixPattern.WARM_THEN_ALL))
+        if not slow:
+            out.append(Case(a, s, pattern=PrefixPattern.SHARED_CONCURRENT))
+        if a.partial_hits:
+            out.append(Case(a, s, pattern=PrefixPattern.PARTIAL_COW))
+            out.append(Case(a, s, pattern=PrefixPattern.PARTIAL_COW, fault=COW_ADMISSION_X2))
+    if not slow:
+        out.append(Case(a, Scheduling.SYNC, prefix_caching=False))
+        out.append(Case(a, Scheduling.SYNC, fault=MAP_MID_ALLOCATION))
+    return out
+
+
+def default_matrix() -> list[Case]:
+    """The full matrix: every default archetype, both schedulers, every pattern and plan."""
+    cases: list[Case] = []
+    both = (Scheduling.SYNC, Scheduling.ASYNC)
+    for a in ARCHETYPES.values():
+        cases += _arch_cases(a, both, slow=a.slow)
+    for name in ("llama", "nemotron_h"):
+        for s in both:
+            cases.append(
+                Case(
+                    ARCHETYPES[name],
+                    s,
+                    lengths=LengthSet.EXTENDED,
+                    pattern=PrefixPattern.SHARED_CONCURRENT,
+                    fault=TINY_BUDGET,
+                )
+            )
+    cases += control_cases(("llama", "nemotron_h"))
+    return cases
+
+
+def quick_matrix() -> list[Case]:
+    """A smoke run of a few minutes: one dense and one hybrid archetype, every plan once."""
+    llama, nem = ARCHETYPES["llama"], ARCHETYPES["nemotron_h"]
+    cases = [
+        Case(llama, Scheduling.SYNC),
+        Case(llama, Scheduling.ASYNC),
+        Case(
+            llama,
+            Scheduling.SYNC,
+            lengths=LengthSet.EXTENDED,
+            pattern=PrefixPattern.SHARED_CONCURRENT,
+            fault=TINY_BUDGET,
+        ),
+        Case(nem, Scheduling.SYNC, pattern=PrefixPattern.PARTIAL_COW),
+        Case(nem, Scheduling.SYNC, pattern=PrefixPattern.PARTIAL_COW, fault=COW_ADMISSION_X2),
+        Case(nem, Scheduling.ASYNC, pattern=PrefixPattern.PARTIAL_COW, fault=COW_ADMISSION_X2),
+        Case(nem, Scheduling.SYNC, fault=MAP_MID_ALLOCATION),
+    ]
+    return cases + control_cases(("llama",))
+
+
+def control_cases(archetypes: Iterable[str]) -> list[Case]:
+    """The native-vs-native baseline and the negative controls (run every time)."""
+    out: list[Case] = []
+    for name in archetypes:
+        a = ARCHETYPES[name]
+        out.append(Case(a, Scheduling.SYNC, control=Control.BASELINE))
+        if name == "llama":
+            out.append(Case(a, Scheduling.SYNC, control=Control.NEG_WEIGHTS))
+        out.append(Case(a, Scheduling.SYNC, control=Control.NEG_KV))
+    return out
+
+
+def select(
+    cases: Iterable[Case],
+    archetypes: Iterable[str] | None = None,
+    schedulers: Iterable[str] | None = None,
+    faults: Iterable[str] | None = None,
+    patterns: Iterable[str] | None = None,
+) -> list[Case]:
+    """Filter a matrix. Controls survive the fault filter (they are the suite's self-check)."""
+    arch_set = set(archetypes) if archetypes else None
+    sched_set = set(schedulers) if schedulers else None
+    fault_set = set(faults) if faults else None
+    pat_set = set(patterns) if patterns else None
+    out = []
+    for c in cases:
+        if arch_set is not None and c.archetype.name not in arch_set:
+            continue
+        if sched_set is not None and c.scheduling.value not in sched_set:
+            continue
+        if fault_set is not None and not c.is_control and c.fault.name not in fault_set:
+            continue
+        if pat_set is not None and c.pattern.value not in pat_set:
+            continue
+        out.append(c)
+    ids = [c.case_id for c in out]
+    if len(ids) != len(set(ids)):
+        raise ValueError("duplicate case ids in matrix")
+    return out

@@ -1,0 +1,114 @@
+"""A harness-only stand-in for kvcached's fault seam, for runs whose candidate is native vLLM.
+
+Until the kvcached plugin exists the candidate engine is native vLLM, which has no fault
+seam. This module reads the same plan file, fails the same logical sites at the scheduler's
+allocation boundary (``KVCacheManager.allocate_slots`` returning ``None``, which is vLLM's
+own "cannot allocate" answer: the request stays waiting or a running request is preempted,
+and the scheduler retries), and writes the same ``<plan>.fired.json``. That exercises the
+harness end to end (plan file -> engine -> fired counts -> report) and vLLM's own
+miss/retry path. Reports label these rows ``fault seam: harness-emulated``; they are not
+evidence about kvcached.
+
+How a failure is made: the allocation is refused *before* vLLM's ``allocate_slots`` runs,
+so nothing has been touched and ``None`` is exactly vLLM's own "cannot allocate" answer (a
+waiting request stays waiting, a running one makes the scheduler preempt and retry). An
+earlier version rolled a successful admission back with ``KVCacheManager.free``; after a
+partial-prefix copy-on-write admission that left vLLM's pending-copy bookkeeping
+inconsistent and changed native outputs, so it is not done.
+
+Sites:
+
+* ``cow_admission`` with ``after_trigger=partial_prefix_hit``: the trigger is raised by the
+  first admission that vLLM *accepted* with a hit ending inside a block (a real partial
+  hit, copy-on-write included); afterwards the next ``fail_next`` admissions that carry such
+  a hit are refused.
+* ``map``: every allocation is one map check (``skip`` pass, then ``fail_next`` fail).
+* ``admission``: every allocation for a waiting or preempted request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from conformance.faultplan import (
+    SITE_ADMISSION,
+    SITE_COW_ADMISSION,
+    SITE_MAP,
+    FaultRule,
+    read_plan,
+    write_fired,
+)
+
+
+@dataclass
+class _RuleState:
+    rule: FaultRule
+    seen: int = 0  # checks that passed before arming
+    fired: int = 0
+    triggered: bool = False
+
+    def check(self) -> bool:
+        """True when this check must fail."""
+        if self.rule.after_trigger is not None and not self.triggered:
+            return False
+        if self.seen < self.rule.skip:
+            self.seen += 1
+            return False
+        if self.fired < self.rule.fail_next:
+            self.fired += 1
+            return True
+        return False
+
+
+@dataclass
+class EmulatedSeam:
+    plan_path: Path
+    block_size: int
+    states: list[_RuleState] = field(default_factory=list)
+
+    def fired(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.states:
+            out[s.rule.site] = out.get(s.rule.site, 0) + s.fired
+        return out
+
+    def triggers(self) -> list[str]:
+        return sorted({s.rule.after_trigger for s in self.states if s.triggered and s.rule.after_trigger})
+
+    def flush(self) -> None:
+        write_fired(self.plan_path, self.fired(), self.triggers())
+
+
+def install_emulated_seam(llm: Any, plan_path: Path) -> EmulatedSeam:
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    seam = EmulatedSeam(plan_path, int(sched.block_size), [_RuleState(r) for r in read_plan(plan_path)])
+    seam.flush()
+    kvm = sched.kv_cache_manager
+    orig_alloc = kvm.allocate_slots
+
+    def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
+        new_computed = int(kwargs.get("num_new_computed_tokens", args[1] if len(args) > 1 else 0))
+        waiting = str(getattr(request.status, "name", request.status)) in ("WAITING", "PREEMPTED")
+        partial = waiting and new_computed % seam.block_size != 0
+
+        def applies(site: str) -> bool:
+            return site == SITE_MAP or (site == SITE_ADMISSION and waiting) or (site == SITE_COW_ADMISSION and partial)
+
+        # Every applicable rule sees the check (no short-circuit), as separate seams would.
+        fired = [s.check() for s in seam.states if applies(s.rule.site)]
+        if any(fired):
+            seam.flush()
+            return None
+        result = orig_alloc(request, *args, **kwargs)
+        if result is not None and partial:
+            newly = [s for s in seam.states if not s.triggered]
+            for s in newly:
+                s.triggered = True
+            if newly:
+                seam.flush()
+        return result
+
+    kvm.allocate_slots = allocate_slots
+    return seam

@@ -1,0 +1,248 @@
+"""Tiny random-weight models, generated locally and cached by a hash of their spec.
+
+Nothing is downloaded. A model is a transformers config plus random initialisation,
+written with ``save_pretrained``. The cache key covers everything that determines the
+weights (config class, model class, config arguments, dtype, weight seed and the
+transformers version), so two processes that ask for the same spec always load
+byte-identical weights, and a perturbed spec (another weight seed: the negative
+control) can never be mistaken for the reference model.
+
+Invariants:
+* ``ensure_model(spec)`` returns a directory whose ``conformance-spec.json`` equals
+  ``spec.to_json()``; the directory is complete or absent (written to a temporary
+  sibling, then renamed), so concurrent or interrupted writers never leave half a model.
+* Only this module imports transformers; callers pass plain data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+# The vocabulary shared by every tiny model. Prompt token IDs are drawn from
+# [FIRST_FREE_TOKEN, VOCAB_SIZE) so no special token (pad 0, bos 1, eos 2) appears.
+VOCAB_SIZE = 1024
+FIRST_FREE_TOKEN = 3
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
+    # Large enough that greedy choices are far from ties, so token IDs are a sharp
+    # signal: a wrong KV byte changes them instead of hiding in rounding noise.
+    "initializer_range": 0.1,
+}
+_ATTN: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything that determines a tiny model's files.
+
+    ``config`` is stored as a sorted tuple of pairs so the spec stays hashable and its
+    JSON form (and therefore the cache key) is canonical.
+    """
+
+    name: str
+    config_class: str
+    model_class: str
+    config: tuple[tuple[str, Any], ...]
+    torch_dtype: str = "float32"
+    weight_seed: int = 0
+    notes: str = field(default="", compare=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "config_class": self.config_class,
+            "model_class": self.model_class,
+            "config": {k: v for k, v in self.config},
+            "torch_dtype": self.torch_dtype,
+            "weight_seed": self.weight_seed,
+            "transformers": _transformers_version(),
+        }
+
+    def cache_key(self) -> str:
+        blob = json.dumps(self.to_json(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def with_weight_seed(self, seed: int) -> ModelSpec:
+        """The same architecture with other random weights (negative control)."""
+        return replace(self, weight_seed=seed)
+
+
+def _spec(name: str, config_class: str, model_class: str, dtype: str = "float32", **cfg: Any) -> ModelSpec:
+    merged = dict(_COMMON)
+    merged.update(cfg)
+    return ModelSpec(name, config_class, model_class, tuple(sorted(merged.items())), dtype)
+
+
+_LINEAR_ATTN = {
+    "linear_conv_kernel_dim": 4,
+    # The CPU GDN kernel only supports head dim 128 (32 fails with "Unexpected head dim size").
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 1,
+    "linear_num_value_heads": 2,
+}
+
+MODEL_SPECS: dict[str, ModelSpec] = {
+    s.name: s
+    for s in (
+        _spec("llama", "LlamaConfig", "LlamaForCausalLM", num_hidden_layers=2, **_ATTN),
+        _spec("qwen3", "Qwen3Config", "Qwen3ForCausalLM", num_hidden_layers=2, **_ATTN),
+        _spec(
+            "mamba2",
+            "Mamba2Config",
+            "Mamba2ForCausalLM",
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_heads=8,
+            head_dim=32,
+            state_size=16,
+            n_groups=1,
+            expand=2,
+            time_step_rank=8,
+            chunk_size=64,
+        ),
+        _spec(
+            "nemotron_h",
+            "NemotronHConfig",
+            "NemotronHForCausalLM",
+            hidden_size=128,
+            layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=256,
+            ssm_state_size=16,
+            mamba_num_heads=8,
+            mamba_head_dim=32,
+            n_groups=1,
+            chunk_size=64,
+        ),
+        _spec(
+            "granitemoehybrid",
+            "GraniteMoeHybridConfig",
+            "GraniteMoeHybridForCausalLM",
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            layer_types=["mamba", "mamba", "mamba", "attention"],
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=128,
+            mamba_n_heads=8,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_d_head=32,
+            mamba_chunk_size=64,
+        ),
+        _spec(
+            "falcon_h1",
+            "FalconH1Config",
+            "FalconH1ForCausalLM",
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            mamba_d_ssm=256,
+            mamba_n_heads=8,
+            mamba_d_head=32,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_chunk_size=64,
+        ),
+        _spec(
+            "qwen3_next",
+            "Qwen3NextConfig",
+            "Qwen3NextForCausalLM",
+            dtype="bfloat16",
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            **_ATTN,
+            **_LINEAR_ATTN,
+        ),
+    )
+}
+
+
+def models_dir() -> Path:
+    """Root of the model cache: ``$KVCACHED_MODELS_DIR`` or ``~/.cache/kvcached-conformance/models``."""
+    env = os.environ.get("KVCACHED_MODELS_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "kvcached-conformance" / "models"
+
+
+def model_path(spec: ModelSpec) -> Path:
+    return models_dir() / f"{spec.name}-seed{spec.weight_seed}-{spec.cache_key()}"
+
+
+def ensure_model(spec: ModelSpec) -> Path:
+    """Return the directory of ``spec``'s model, generating it on first use."""
+    path = model_path(spec)
+    marker = path / "conformance-spec.json"
+    if marker.is_file():
+        stored = json.loads(marker.read_text())
+        if stored != spec.to_json():
+            raise RuntimeError(f"model cache entry {path} does not match its key; delete it")
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        _generate(spec, tmp)
+        (tmp / "conformance-spec.json").write_text(json.dumps(spec.to_json(), sort_keys=True, indent=1))
+        try:
+            tmp.rename(path)
+        except OSError:
+            # Another process finished the same model first; theirs is equivalent.
+            if not (path / "conformance-spec.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return path
+
+
+def _generate(spec: ModelSpec, out: Path) -> None:
+    import torch
+    import transformers
+
+    config = getattr(transformers, spec.config_class)(**dict(spec.config))
+    dtype = getattr(torch, spec.torch_dtype)
+    # Seed a private generator state only for the duration of the initialisation so
+    # generating a model never perturbs the caller's RNG.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.weight_seed)
+        model = getattr(transformers, spec.model_class)(config)
+    model = model.to(dtype)
+    model.config.torch_dtype = spec.torch_dtype
+    model.save_pretrained(str(out))
+
+
+def _transformers_version() -> str:
+    from importlib.metadata import version
+
+    return version("transformers")

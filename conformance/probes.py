@@ -1,0 +1,158 @@
+"""Harness-only instrumentation of a running in-process engine (identical in every engine).
+
+Everything here patches *instance* attributes of one engine's scheduler objects, never
+classes, so a probe lives and dies with its ``LLM`` and nothing leaks into the next case.
+It is installed after the engine (and therefore after kvcached, if active) has been built:
+it wraps whatever ``schedule``/``allocate_slots`` the engine really uses, so kvcached's
+seams run underneath and the probe only observes.
+
+Why the copy count comes from ``SchedulerOutput.kv_cache_block_copies``: it is the one
+source both engines share. Counting at the worker's copy helper would depend on which of
+the (native or kvcached) helpers is installed and on patch order; the scheduler output is
+what the worker is told to copy, before either helper runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StepSample:
+    step: int
+    t: float  # seconds since the probe was installed
+    scheduled_tokens: int
+    num_requests: int
+    copies: int
+    preempted: int
+    mapped_bytes: int
+
+
+@dataclass
+class EngineProbe:
+    """Per-engine counters, filled while the engine runs."""
+
+    block_size: int
+    memory_sampler: Callable[[], int]
+    steps: list[StepSample] = field(default_factory=list)
+    # One entry per step: the schedule as (request order index, scheduled tokens) pairs.
+    schedule_fingerprint: list[list[tuple[int, int]]] = field(default_factory=list)
+    copy_pairs: list[tuple[int, int]] = field(default_factory=list)
+    preemptions_counted: int = 0
+    partial_prefix_hits: int = 0  # admissions whose prefix hit ends inside a block
+    prefix_hit_admissions: int = 0
+    recording: bool = True  # off for work after the case proper (the reference's replay oracle)
+    _req_order: dict[str, int] = field(default_factory=dict)
+    _t0: float = field(default_factory=time.monotonic)
+
+    def order_of(self, req_id: str) -> int:
+        # vLLM's internal request IDs may carry random suffixes; the submission order is
+        # the engine-independent name of a request.
+        return self._req_order.setdefault(req_id, len(self._req_order))
+
+    @property
+    def copies_total(self) -> int:
+        return len(self.copy_pairs)
+
+    @property
+    def copy_batches(self) -> int:
+        return sum(1 for s in self.steps if s.copies)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "steps": [dict(s.__dict__) for s in self.steps],
+            "schedule_fingerprint": [list(fp) for fp in self.schedule_fingerprint],
+            "copies_total": self.copies_total,
+            "copy_batches": self.copy_batches,
+            "preemptions_counted": self.preemptions_counted,
+            "partial_prefix_hits": self.partial_prefix_hits,
+            "prefix_hit_admissions": self.prefix_hit_admissions,
+        }
+
+
+def install_probe(llm: Any, memory_sampler: Callable[[], int]) -> EngineProbe:
+    """Wrap the running engine's scheduler instance methods; return the live counters."""
+    core = llm.llm_engine.engine_core.engine_core
+    sched = core.scheduler
+    probe = EngineProbe(block_size=int(sched.block_size), memory_sampler=memory_sampler)
+
+    orig_schedule = sched.schedule
+
+    def schedule(*args: Any, **kwargs: Any) -> Any:
+        out = orig_schedule(*args, **kwargs)
+        if not probe.recording:
+            return out
+        copies = list(out.kv_cache_block_copies or [])
+        probe.copy_pairs.extend((int(c.src_block_id), int(c.dst_block_id)) for c in copies)
+        fp = sorted((probe.order_of(rid), int(n)) for rid, n in out.num_scheduled_tokens.items())
+        probe.schedule_fingerprint.append(fp)
+        probe.steps.append(
+            StepSample(
+                step=len(probe.steps),
+                t=round(time.monotonic() - probe._t0, 4),
+                scheduled_tokens=int(out.total_num_scheduled_tokens),
+                num_requests=len(out.num_scheduled_tokens),
+                copies=len(copies),
+                preempted=len(out.preempted_req_ids or ()),
+                # Sampled right after scheduling: allocation for this step has happened.
+                mapped_bytes=int(memory_sampler()),
+            )
+        )
+        return out
+
+    sched.schedule = schedule
+
+    orig_preempt = sched._preempt_request
+
+    def preempt(*args: Any, **kwargs: Any) -> Any:
+        if probe.recording:
+            probe.preemptions_counted += 1
+        return orig_preempt(*args, **kwargs)
+
+    sched._preempt_request = preempt
+
+    kvm = sched.kv_cache_manager
+    orig_gcb = kvm.get_computed_blocks
+
+    def get_computed_blocks(request: Any) -> Any:
+        res = orig_gcb(request)
+        hit = int(res[1])
+        if hit and probe.recording:
+            probe.prefix_hit_admissions += 1
+            if hit % probe.block_size:
+                probe.partial_prefix_hits += 1
+        return res
+
+    kvm.get_computed_blocks = get_computed_blocks
+    return probe
+
+
+def scheduler_that_ran(llm: Any) -> dict[str, Any]:
+    """What really ran, read from the engine, never from the requested arguments."""
+    core = llm.llm_engine.engine_core.engine_core
+    return {
+        "scheduler_type": type(core.scheduler).__name__,
+        "batch_queue": core.batch_queue is not None,
+        "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
+    }
+
+
+def engine_metrics(llm: Any) -> dict[str, float]:
+    """Counters from vLLM's own metrics (needs ``disable_log_stats=False``)."""
+    wanted = {
+        "vllm:num_preemptions": "preemptions",
+        "vllm:prefix_cache_queries": "prefix_cache_queries",
+        "vllm:prefix_cache_hits": "prefix_cache_hits",
+    }
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        key = wanted.get(m.name)
+        if key is not None:
+            out[key] = out.get(key, 0.0) + float(m.value)
+    missing = set(wanted.values()) - set(out)
+    if missing:
+        raise RuntimeError(f"engine metrics missing {sorted(missing)}; is disable_log_stats=False?")
+    return out

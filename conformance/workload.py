@@ -1,0 +1,183 @@
+"""Deterministic token-ID workloads built from the engine geometry and a prefix pattern.
+
+A workload is a list of passes; each pass is submitted as one ``LLM.generate`` call (its
+requests run concurrently), and passes run one after another on the same engine so later
+passes hit the prefix cache filled by earlier ones.
+
+Shapes (h = hash granularity, b = block size, L = each labelled prompt length):
+
+* ``warm3``   pass 1 caches three root prompts (the three longest lengths); pass 2 runs, for
+  every L, a root-prefixed prompt (``root[:L-1] + fresh``) and an independent one
+  (``fresh(L)``), plus the three warm prompts again (full hits).
+* ``partial`` needs h < b. Boundaries P ∈ {h, b+h, 2b-h} lie on hash boundaries strictly
+  inside blocks. Pass 1 caches ``root[:P + h//2]`` for each P, which makes vLLM register a
+  partial entry at P (its final prompt hash boundary). Pass 2 runs ``root[:P] + fresh(t)``
+  for t ∈ {1, h+1} (partial hits at P, so the shared tail block is copied on write), the
+  root-prefixed length-set prompts and the warm prompts again.
+* ``shared``  pass 1 runs, concurrently, three groups of three requests that share a prefix
+  (2b-1, b+1 and the page straddle) plus an independent prompt per length; pass 2 repeats
+  the same requests (now cached).
+
+Invariants:
+* The same (pattern, lengths, geometry, seed) always gives the same token IDs.
+* Token IDs lie in [FIRST_FREE_TOKEN, VOCAB_SIZE): no pad/bos/eos token appears.
+* Every prompt is at most ``max_prompt_len`` tokens; request IDs are unique.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from conformance.cases import PrefixPattern
+from conformance.geometry import Geometry
+from conformance.models import FIRST_FREE_TOKEN, VOCAB_SIZE
+
+
+@dataclass(frozen=True)
+class Prompt:
+    rid: str
+    label: str
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Workload:
+    passes: tuple[tuple[Prompt, ...], ...]
+    lengths: tuple[tuple[str, int], ...]
+    partial_boundaries: tuple[int, ...] = ()
+    # The negative KV control corrupts the cached block(s) whose primary hash covers
+    # exactly this many leading tokens (the first block of the shared root).
+    corrupt_prefix_tokens: int = 0
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        return [p for ps in self.passes for p in ps]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "passes": [[{"rid": p.rid, "label": p.label, "tokens": list(p.tokens)} for p in ps] for ps in self.passes],
+            "lengths": [list(x) for x in self.lengths],
+            "partial_boundaries": list(self.partial_boundaries),
+            "corrupt_prefix_tokens": self.corrupt_prefix_tokens,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Workload:
+        return cls(
+            passes=tuple(tuple(Prompt(p["rid"], p["label"], tuple(p["tokens"])) for p in ps) for ps in data["passes"]),
+            lengths=tuple((str(a), int(b)) for a, b in data["lengths"]),
+            partial_boundaries=tuple(data["partial_boundaries"]),
+            corrupt_prefix_tokens=int(data["corrupt_prefix_tokens"]),
+        )
+
+
+def stable_seed(text: str) -> int:
+    """A process-independent seed (``hash()`` is salted per process)."""
+    return zlib.crc32(text.encode())
+
+
+class _Tokens:
+    def __init__(self, seed: int) -> None:
+        self._rng = random.Random(seed)
+
+    def fresh(self, n: int) -> list[int]:
+        return [self._rng.randrange(FIRST_FREE_TOKEN, VOCAB_SIZE) for _ in range(n)]
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.passes: list[list[Prompt]] = []
+
+    def new_pass(self) -> None:
+        self.passes.append([])
+
+    def add(self, label: str, tokens: Sequence[int]) -> None:
+        assert tokens, "empty prompt"
+        n = len(self.passes)
+        self.passes[-1].append(Prompt(f"p{n}-{len(self.passes[-1]):02d}", label, tuple(tokens)))
+
+    def freeze(self) -> tuple[tuple[Prompt, ...], ...]:
+        return tuple(tuple(ps) for ps in self.passes)
+
+
+def partial_boundaries(geo: Geometry, max_prompt_len: int) -> list[int]:
+    """Hash boundaries strictly inside blocks, where partial-prefix hits can land."""
+    h, b = geo.hash_block_size, geo.block_size
+    if h >= b:
+        return []
+    cands = sorted({h, b + h, 2 * b - h})
+    # Room for the warm prompt (P + h//2) and the longest pass-2 tail (h + 1).
+    return [p for p in cands if p % b and p + h + 1 <= max_prompt_len]
+
+
+def build_workload(
+    pattern: PrefixPattern,
+    lengths: Sequence[tuple[str, int]],
+    geo: Geometry,
+    max_prompt_len: int,
+    seed: int,
+) -> Workload:
+    tok = _Tokens(seed)
+    root = tok.fresh(max_prompt_len)
+    bld = _Builder()
+    h, b = geo.hash_block_size, geo.block_size
+    bounds: list[int] = []
+
+    def root_prefixed(n: int) -> list[int]:
+        # Shares the root up to n-1 tokens and ends in a fresh token, so the hit is bounded
+        # by the prompt and not by vLLM's "recompute the last token" cap alone.
+        return root[: n - 1] + tok.fresh(1)
+
+    longest = sorted((n for _, n in lengths), reverse=True)[:3]
+    if pattern is PrefixPattern.WARM_THEN_ALL:
+        bld.new_pass()
+        for n in longest:
+            bld.add(f"warm:{n}", root[:n])
+        bld.new_pass()
+        for label, n in lengths:
+            bld.add(f"root:{label}", root_prefixed(n))
+            bld.add(f"fresh:{label}", tok.fresh(n))
+        for n in longest:
+            bld.add(f"rewarm:{n}", root[:n])
+    elif pattern is PrefixPattern.PARTIAL_COW:
+        bounds = partial_boundaries(geo, max_prompt_len)
+        if not bounds:
+            raise ValueError(f"no hash boundary inside a block (hash {h}, block {b})")
+        bld.new_pass()
+        for p in bounds:
+            bld.add(f"warm-partial:{p}", root[: p + max(1, h // 2)])
+        bld.new_pass()
+        for p in bounds:
+            for t in (1, h + 1):
+                bld.add(f"partial:{p}+{t}", root[:p] + tok.fresh(t))
+        for label, n in lengths:
+            bld.add(f"root:{label}", root_prefixed(n))
+        for p in bounds:
+            bld.add(f"rewarm-partial:{p}", root[: p + max(1, h // 2)])
+    elif pattern is PrefixPattern.SHARED_CONCURRENT:
+        by_label = dict(lengths)
+        prefix_lens = [n for n in (2 * b - 1, b + 1, by_label.get("page-straddle", 0)) if 1 < n]
+        tails = (1, h, b // 2 + 1)
+        groups = []
+        for plen in prefix_lens:
+            shared = tok.fresh(plen)
+            for t in tails:
+                if plen + t <= max_prompt_len:
+                    groups.append((f"shared:{plen}+{t}", shared + tok.fresh(t)))
+        singles = [(f"fresh:{label}", tok.fresh(n)) for label, n in lengths]
+        for _ in range(2):
+            bld.new_pass()
+            for label, toks in groups + singles:
+                bld.add(label, toks)
+    else:  # pragma: no cover - exhaustive over the enum
+        raise AssertionError(pattern)
+    return Workload(
+        passes=bld.freeze(),
+        lengths=tuple(lengths),
+        partial_boundaries=tuple(bounds),
+        corrupt_prefix_tokens=b if pattern is PrefixPattern.WARM_THEN_ALL and max(longest) > b else 0,
+    )

@@ -1,0 +1,64 @@
+"""The case model and the default matrices."""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance import cases as C
+
+
+def test_matrix_ids_unique_and_round_trip() -> None:
+    for matrix in (C.default_matrix(), C.quick_matrix()):
+        ids = [c.case_id for c in matrix]
+        assert len(ids) == len(set(ids))
+        for c in matrix:
+            assert C.Case.from_json(c.to_json()) == c
+
+
+def test_default_matrix_covers_the_issue() -> None:
+    m = C.default_matrix()
+    assert {c.archetype.name for c in m} == {
+        "llama",
+        "qwen3",
+        "mamba2",
+        "nemotron_h",
+        "granitemoehybrid",
+        "falcon_h1",
+        "qwen3_next",
+    }
+    assert {c.scheduling for c in m} == {C.Scheduling.SYNC, C.Scheduling.ASYNC}
+    assert {c.fault.name for c in m} == set(C.FAULT_PLANS)
+    assert {c.pattern for c in m} == set(C.PrefixPattern)
+    assert any(not c.prefix_caching for c in m)
+    # CoW admission failures in both schedulers; controls every time.
+    cow = {c.scheduling for c in m if c.fault is C.COW_ADMISSION_X2}
+    assert cow == {C.Scheduling.SYNC, C.Scheduling.ASYNC}
+    assert {c.control for c in m} == set(C.Control)
+
+
+def test_quick_matrix_is_small_but_complete() -> None:
+    q = C.quick_matrix()
+    assert len(q) <= 12
+    assert {c.fault.name for c in q} == set(C.FAULT_PLANS)
+    assert {c.control for c in q if c.is_control} == {C.Control.BASELINE, C.Control.NEG_WEIGHTS, C.Control.NEG_KV}
+
+
+def test_invalid_combinations_are_rejected() -> None:
+    llama, nem = C.ARCHETYPES["llama"], C.ARCHETYPES["nemotron_h"]
+    with pytest.raises(ValueError, match="partial"):
+        C.Case(llama, pattern=C.PrefixPattern.PARTIAL_COW)
+    with pytest.raises(ValueError, match="partial prefix pattern"):
+        C.Case(nem, fault=C.COW_ADMISSION_X2)
+    with pytest.raises(ValueError, match="prefix caching"):
+        C.Case(nem, prefix_caching=False, pattern=C.PrefixPattern.SHARED_CONCURRENT)
+    with pytest.raises(ValueError, match="controls"):
+        C.Case(llama, fault=C.MAP_MID_ALLOCATION, control=C.Control.BASELINE)
+
+
+def test_select_keeps_controls_under_fault_filter() -> None:
+    m = C.quick_matrix()
+    sel = C.select(m, faults=["none"])
+    assert all(c.fault.name == "none" for c in sel)
+    assert any(c.is_control for c in sel)
+    assert all(c.scheduling is C.Scheduling.ASYNC for c in C.select(m, schedulers=["async"]))
+    assert {c.archetype.name for c in C.select(m, archetypes=["nemotron_h"])} == {"nemotron_h"}

@@ -1,0 +1,212 @@
+"""The comparator on synthetic engine results (the real-engine test is test_conformance_engine.py)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conformance import cases as C
+from conformance.compare import compare_kv, compare_logprobs, compare_results
+
+MT = 4
+
+
+def _result(
+    tokens: list[list[int]], *, engine: str = "native", schedule: Any = None, kv: bool = True
+) -> dict[str, Any]:
+    reqs = []
+    for i, toks in enumerate(tokens):
+        reqs.append(
+            {
+                "rid": f"p1-{i:02d}",
+                "label": "x",
+                "pass": 1,
+                "prompt_len": 5,
+                "token_ids": list(toks),
+                "logprobs": [[[t, -1.0 - 0.1 * j, 1], [t + 1, -2.0, 2]] for j, t in enumerate(toks)],
+                "num_cached_tokens": 0,
+                "finish_reason": "length",
+                "finished": True,
+            }
+        )
+    return {
+        "engine": engine,
+        "error": None,
+        "requests": reqs,
+        "kv_status": "ok" if kv else "pending",
+        "kv": {"keys": {}, "token_dims": {}},
+        "probe": {"copies_total": 0, "partial_prefix_hits": 0, "schedule_fingerprint": schedule or [[[0, 5]]]},
+        "metrics": {"preemptions": 0.0},
+        "scheduler": {"scheduler_type": "Scheduler", "batch_queue": False},
+        "mapped_bytes_peak": 1,
+        "mapped_bytes_final": 1,
+        "t_total": 1.0,
+    }
+
+
+def _kv_files(tmp_path: Path, name: str, arrays: dict[str, np.ndarray]) -> Path:
+    p = tmp_path / f"{name}.npz"
+    np.savez(p, **arrays)
+    return p
+
+
+def _with_kv(res: dict[str, Any], blocks: list[tuple[int, int]]) -> dict[str, Any]:
+    res["kv"] = {
+        "keys": {
+            "aa" * 4: {
+                "group": 0,
+                "kind": "FullAttentionSpec",
+                "block_size": 4,
+                "layers": ["L"],
+                "blocks": [list(b) for b in blocks],
+            }
+        },
+        "token_dims": {"L|0": 2, "L|1": 1},
+    }
+    return res
+
+
+CASE = C.Case(C.ARCHETYPES["llama"], max_tokens=MT)
+NOPC = C.Case(C.ARCHETYPES["llama"], prefix_caching=False, max_tokens=MT)
+
+
+def test_exact_results_pass(tmp_path: Path) -> None:
+    k = np.arange(16, dtype=np.float32).reshape(1, 4, 4)
+    arrays = {"b1|L|0": k, "b1|L|1": k.transpose(0, 2, 1).copy()}
+    ref = _with_kv(_result([[1, 2, 3, 4], [5, 6, 7, 8]]), [(1, 4)])
+    oth = _with_kv(_result([[1, 2, 3, 4], [5, 6, 7, 8]], engine="kvcached"), [(1, 4)])
+    row, reqs = compare_results(
+        CASE, ref, oth, _kv_files(tmp_path, "r", arrays), _kv_files(tmp_path, "o", arrays), True
+    )
+    assert row.passed and row.verdict == "exact", row.problems
+    assert row.kv_blocks_compared == row.kv_blocks_identical == 1
+    assert all(r.exact for r in reqs) and row.comparison == "kvcached vs native"
+
+
+def test_token_mismatch_fails_and_names_first_divergence(tmp_path: Path) -> None:
+    ref, oth = _result([[1, 2, 3, 4]]), _result([[1, 2, 9, 4]])
+    row, reqs = compare_results(CASE, ref, oth, None, None, True)
+    assert not row.passed and row.verdict == "MISMATCH"
+    assert reqs[0].first_divergence == 2 and row.first_divergence.startswith("p1-00@2")
+    # The distribution at the divergent position (same context) is compared, and differs.
+    assert not reqs[0].logprobs_equal and not row.logprobs_equal
+
+
+def test_same_schedule_kv_difference_is_unexplained(tmp_path: Path) -> None:
+    a = np.zeros((1, 4, 4), np.float32)
+    b = a.copy()
+    b[0, 0, 0] = 1e-6
+    ref = _with_kv(_result([[1, 2, 3, 4]]), [(1, 4)])
+    oth = _with_kv(_result([[1, 2, 3, 4]]), [(7, 4)])
+    rp = _kv_files(tmp_path, "r", {"b1|L|0": a, "b1|L|1": a})
+    op = _kv_files(tmp_path, "o", {"b7|L|0": b, "b7|L|1": a})
+    row, _ = compare_results(CASE, ref, oth, rp, op, True)
+    assert not row.passed and any("same schedule but KV differs" in p for p in row.problems)
+    assert row.kv_max_abs_diff == pytest.approx(1e-6)
+    # The same difference under a different schedule is reported and explained.
+    oth2 = copy.deepcopy(oth)
+    oth2["probe"]["schedule_fingerprint"] = [[[0, 3]], [[0, 2]]]
+    row2, _ = compare_results(CASE, ref, oth2, rp, op, True)
+    assert row2.passed and row2.verdict.startswith("tokens exact") and "schedule diverged" in row2.explanations[0]
+
+
+def test_kv_sets_ignore_block_ids_and_cut_to_common_tokens() -> None:
+    # Engine A holds the key in two blocks (one covering only 2 token slots), engine B in one.
+    full = np.arange(8, dtype=np.float32).reshape(1, 2, 4)  # K: (heads, head, tokens)
+    half = full[:, :, :2].copy()
+    ra = {
+        "keys": {"k": {"kind": "FullAttentionSpec", "layers": ["L"], "blocks": [[3, 4], [9, 2]]}},
+        "token_dims": {"L|0": 2},
+    }
+    oa = {"keys": {"k": {"kind": "FullAttentionSpec", "layers": ["L"], "blocks": [[5, 4]]}}, "token_dims": {"L|0": 2}}
+
+    class Npz(dict):
+        @property
+        def files(self) -> list[str]:
+            return list(self)
+
+    out = compare_kv(ra, Npz({"b3|L|0": full, "b9|L|0": half}), oa, Npz({"b5|L|0": full}))
+    assert (out.compared, out.identical, out.variants) == (1, 1, 0)
+    bad = full.copy()
+    bad[0, 1, 0] += 3
+    out = compare_kv(ra, Npz({"b3|L|0": full, "b9|L|0": half}), oa, Npz({"b5|L|0": bad}))
+    assert (out.compared, out.identical) == (1, 0) and out.max_abs_diff == 3
+
+
+def test_recurrent_states_compare_only_at_equal_fill() -> None:
+    s = np.ones((2, 3), np.float32)
+    meta = lambda n: {
+        "keys": {"k": {"kind": "MambaSpec", "layers": ["M"], "blocks": [[1, n]]}},
+        "token_dims": {"M|0": None},
+    }
+
+    class Npz(dict):
+        @property
+        def files(self) -> list[str]:
+            return list(self)
+
+    out = compare_kv(meta(32), Npz({"b1|M|0": s}), meta(48), Npz({"b1|M|0": s * 2}))
+    assert out.compared == 0 and out.not_comparable == 1
+
+
+def test_logprob_comparison_exact_and_diff() -> None:
+    a = [[[1, -0.5, 1], [2, -1.5, 2]]]
+    assert compare_logprobs(a, copy.deepcopy(a), 1).equal
+    b = [[[1, -0.5000001, 1], [2, -1.5, 2]]]
+    res = compare_logprobs(a, b, 1)
+    assert not res.equal and res.max_abs_diff == pytest.approx(1e-7)
+    c = [[[2, -0.5, 1], [1, -1.5, 2]]]
+    assert compare_logprobs(a, c, 1).topk_set_differs == 1
+
+
+def test_negative_control_inverts_the_verdict(tmp_path: Path) -> None:
+    neg = C.Case(C.ARCHETYPES["llama"], control=C.Control.NEG_WEIGHTS, max_tokens=MT)
+    empty = _kv_files(tmp_path, "empty", {})
+    row, _ = compare_results(neg, _result([[1, 2, 3, 4]]), _result([[1, 2, 3, 5]]), empty, empty, True)
+    assert row.passed and row.verdict == "mismatch detected (expected)"
+    row, _ = compare_results(neg, _result([[1, 2, 3, 4]]), _result([[1, 2, 3, 4]]), empty, empty, True)
+    assert not row.passed and row.verdict == "NOT DETECTED"
+    # A control whose KV snapshot is missing is an error, never a detection.
+    row, _ = compare_results(neg, _result([[1, 2, 3, 4]]), _result([[1, 2, 3, 5]]), None, None, True)
+    assert not row.passed and row.verdict == "error"
+
+
+def test_fault_plan_must_fire_and_async_must_run() -> None:
+    case = C.Case(
+        C.ARCHETYPES["nemotron_h"],
+        C.Scheduling.ASYNC,
+        pattern=C.PrefixPattern.PARTIAL_COW,
+        fault=C.COW_ADMISSION_X2,
+        max_tokens=MT,
+    )
+    ref, oth = _result([[1, 2, 3, 4]]), _result([[1, 2, 3, 4]])
+    row, _ = compare_results(case, ref, oth, None, None, True)
+    problems = " | ".join(row.problems)
+    assert "no fired counts" in problems
+    assert "asked async, ran Scheduler" in problems
+    assert "no copy-on-write copy" in problems
+    oth["fault_fired"] = {"cow_admission": 0}
+    row, _ = compare_results(case, ref, oth, None, None, True)
+    assert "never fired" in " | ".join(row.problems)
+    # Without the override, asked-async-ran-sync is reported, not failed.
+    row, _ = compare_results(case, ref, oth, None, None, False)
+    assert any("asked async" in e for e in row.explanations)
+
+
+def test_replay_oracle_explains_only_native_history_dependent_requests(tmp_path: Path) -> None:
+    empty = _kv_files(tmp_path, "empty", {})
+    ref, oth = _result([[1, 2, 3, 4], [5, 6, 7, 8]]), _result([[9, 2, 3, 4], [5, 6, 7, 8]])
+    # The reference itself gave other tokens when the short prompt p1-00 was replayed.
+    ref["replay"] = {"p1-00": [[7, 7, 7, 7], [1, 2, 3, 4]], "p1-01": [[5, 6, 7, 8], [5, 6, 7, 8]]}
+    row, reqs = compare_results(NOPC, ref, oth, empty, empty, True)
+    assert row.passed and row.verdict == "exact where native is self-consistent", row.problems
+    assert row.native_unstable_requests == 1 and reqs[0].native_history_dependent
+    assert "history-dependent" in " ".join(row.explanations)
+    # A stable replay explains nothing: the same mismatch fails.
+    ref["replay"] = {"p1-00": [[1, 2, 3, 4], [1, 2, 3, 4]]}
+    row, _ = compare_results(NOPC, ref, oth, empty, empty, True)
+    assert not row.passed and row.verdict == "MISMATCH"
