@@ -53,25 +53,15 @@ import functools
 import inspect
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from kvcached.errors import IntegrationError
 from kvcached.integration.vllm.block_pool import ElasticBlockPool, EngineStepFence
 from kvcached.integration.vllm.capabilities import Capabilities
-
-_MISSING: Any = object()
-
-
-@dataclass(frozen=True, slots=True)
-class _Patch:
-    owner: Any
-    name: str
-    original: Any  # the owner's own attribute (``owner.__dict__``), or _MISSING
-
+from kvcached.integration.vllm.patching import MISSING, PatchSet, require_own
 
 _lock = threading.Lock()
-_patches: list[_Patch] = []
+_patches = PatchSet()
 _caps: Capabilities | None = None
 _enabled = False
 
@@ -95,8 +85,8 @@ def hash_block_size_from(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
             f"vLLM built its block pool without valid constructor arguments ({exc}); "
             "kvcached needs the native hash_block_size and will not substitute the block size"
         ) from exc
-    value = bound.arguments.get("hash_block_size", _MISSING)
-    if value is _MISSING:
+    value = bound.arguments.get("hash_block_size", MISSING)
+    if value is MISSING:
         raise IntegrationError("the native BlockPool arguments carry no hash_block_size")
     if type(value) is not int or value <= 0:
         raise IntegrationError(
@@ -258,32 +248,6 @@ def _wrap_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # ---- install / uninstall --------------------------------------------------------------
-def _own(owner: Any, name: str) -> Any:
-    return vars(owner).get(name, _MISSING)
-
-
-def _subclasses(cls: type) -> list[type]:
-    out: list[type] = []
-    direct: list[type] = cls.__subclasses__()
-    for sub in direct:
-        out.append(sub)
-        out.extend(_subclasses(sub))
-    return out
-
-
-def _require_own_method(cls: type, name: str) -> Callable[..., Any]:
-    """``cls.name`` must be defined on ``cls`` and overridden by no subclass."""
-    method = _own(cls, name)
-    if method is _MISSING or not callable(method):
-        raise IntegrationError(f"{cls.__qualname__}.{name} is not defined where kvcached expects it")
-    for sub in _subclasses(cls):
-        if name in vars(sub):
-            raise IntegrationError(
-                f"{sub.__qualname__} overrides {cls.__qualname__}.{name}; kvcached's seam would miss it"
-            )
-    return method
-
-
 def _plan() -> list[tuple[Any, str, Any]]:
     """(owner, attribute, replacement) for every seam, after checking vLLM's shape."""
     from vllm.v1.core import block_pool, kv_cache_coordinator, kv_cache_manager
@@ -302,12 +266,12 @@ def _plan() -> list[tuple[Any, str, Any]]:
     return [
         (kv_cache_coordinator, "BlockPool", elastic_block_pool),
         (coordinator, "get_num_blocks_to_allocate",
-         _wrap_get_num_blocks_to_allocate(_require_own_method(coordinator, "get_num_blocks_to_allocate"))),
-        (manager, "allocate_slots", _wrap_allocate_slots(_require_own_method(manager, "allocate_slots"))),
-        (sched, "schedule", _wrap_schedule(_require_own_method(sched, "schedule"))),
+         _wrap_get_num_blocks_to_allocate(require_own(coordinator, "get_num_blocks_to_allocate"))),
+        (manager, "allocate_slots", _wrap_allocate_slots(require_own(manager, "allocate_slots"))),
+        (sched, "schedule", _wrap_schedule(require_own(sched, "schedule"))),
         (sched, "update_from_output",
-         _wrap_update_from_output(_require_own_method(sched, "update_from_output"))),
-        (sched, "shutdown", _wrap_shutdown(_require_own_method(sched, "shutdown"))),
+         _wrap_update_from_output(require_own(sched, "update_from_output"))),
+        (sched, "shutdown", _wrap_shutdown(require_own(sched, "shutdown"))),
     ]
 
 
@@ -325,9 +289,7 @@ def install(caps: Capabilities, *, enabled: bool = True) -> None:
                 raise IntegrationError("scheduler seams are already installed with other settings")
             return
         plan = _plan()  # validates everything before the first setattr
-        for owner, name, replacement in plan:
-            _patches.append(_Patch(owner, name, _own(owner, name)))
-            setattr(owner, name, replacement)
+        _patches.apply(plan)
         _caps, _enabled = caps, enabled
 
 
@@ -335,12 +297,7 @@ def uninstall() -> None:
     """Restore every replaced attribute exactly (in reverse order); idempotent."""
     global _caps, _enabled
     with _lock:
-        while _patches:
-            patch = _patches.pop()
-            if patch.original is _MISSING:
-                delattr(patch.owner, patch.name)
-            else:
-                setattr(patch.owner, patch.name, patch.original)
+        _patches.restore()
         _caps, _enabled = None, False
 
 

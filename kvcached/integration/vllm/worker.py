@@ -101,6 +101,7 @@ from kvcached.config import KvcachedConfig, enabled_from_env
 from kvcached.copy import copy_blocks
 from kvcached.errors import ConfigError, CopyValidationError, IntegrationError
 from kvcached.integration.vllm.capabilities import Capabilities
+from kvcached.integration.vllm.patching import PatchSet, require_own
 from kvcached.views import BytePageMeta, attach_meta, describe_block_view
 
 __all__ = [
@@ -115,18 +116,10 @@ __all__ = [
     "uninstall",
 ]
 
-_MISSING: Any = object()
 _logger = logging.getLogger(__name__)
 
 #: kv page of vLLM's null block (block 0): mapped by the worker at allocation.
 NULL_BLOCK_PAGE = 0
-
-
-@dataclass(frozen=True, slots=True)
-class _Patch:
-    owner: Any
-    name: str
-    original: Any  # the owner's own attribute (``vars(owner)``), or _MISSING
 
 
 @dataclass
@@ -138,7 +131,7 @@ class _State:
 
 
 _lock = threading.RLock()
-_patches: list[_Patch] = []
+_patches = PatchSet()
 _state = _State()
 _profiling = threading.local()  # .active: inside _init_minimal_kv_cache_for_profiling
 
@@ -455,49 +448,12 @@ def _wrap_request_memory(original: Callable[..., int]) -> Callable[..., int]:
 
 
 # ---- install / uninstall ---------------------------------------------------------------------
-def _own(owner: Any, name: str) -> Any:
-    return vars(owner).get(name, _MISSING)
-
-
-def _subclasses(cls: type) -> list[type]:
-    out: list[type] = []
-    direct: list[type] = cls.__subclasses__()
-    for sub in direct:
-        out.append(sub)
-        out.extend(_subclasses(sub))
-    return out
-
-
-def _require_own(owner: Any, name: str) -> Callable[..., Any]:
-    """``owner.name`` must be defined on ``owner`` itself and overridden by no subclass."""
-    value = _own(owner, name)
-    if value is _MISSING or not callable(value):
-        raise IntegrationError(
-            f"{getattr(owner, '__qualname__', owner.__name__)}.{name} is not where kvcached expects it"
-        )
-    if isinstance(owner, type):
-        for sub in _subclasses(owner):
-            if name in vars(sub):
-                raise IntegrationError(
-                    f"{sub.__qualname__} overrides {owner.__qualname__}.{name}; the seam would miss it"
-                )
-    return value
-
-
-def _own_callable(owner: Any, name: str) -> Callable[..., Any]:
-    """``owner.name`` must be defined on ``owner`` itself (subclasses may override it)."""
-    value = _own(owner, name)
-    if value is _MISSING or not callable(value):
-        raise IntegrationError(f"{owner.__qualname__}.{name} is not where kvcached expects it")
-    return value
-
-
 def _memory_plan() -> list[tuple[Any, str, Any]]:
     """The memory-profiling seams (see the module docstring), after checking vLLM's shape."""
     from vllm.platforms import current_platform
     from vllm.v1.worker import gpu_worker, utils
 
-    request = _require_own(gpu_worker, "request_memory")
+    request = require_own(gpu_worker, "request_memory")
     if request is not utils.request_memory:
         raise IntegrationError(
             "vllm.v1.worker.gpu_worker.request_memory is not vLLM's helper; another plugin replaced it"
@@ -506,14 +462,14 @@ def _memory_plan() -> list[tuple[Any, str, Any]]:
     plan = [
         (gpu_worker, "request_memory", _wrap_request_memory(request)),
         (gpu_worker.Worker, "determine_available_memory",
-         _wrap_gpu_determine(_own_callable(gpu_worker.Worker, "determine_available_memory"))),
+         _wrap_gpu_determine(require_own(gpu_worker.Worker, "determine_available_memory", exclusive=False))),
     ]
     if current_platform.is_cpu():
         from vllm.v1.worker import cpu_worker
 
         cpu = cpu_worker.CPUWorker
         plan.append((cpu, "determine_available_memory",
-                     _wrap_cpu_determine(_require_own(cpu, "determine_available_memory"))))
+                     _wrap_cpu_determine(require_own(cpu, "determine_available_memory"))))
     return plan
 
 
@@ -529,19 +485,19 @@ def _plan(caps: Capabilities) -> list[tuple[Any, str, Any]]:
     from vllm.v1.worker import gpu_model_runner, utils
 
     runner = gpu_model_runner.GPUModelRunner
-    copy_original = _require_own(gpu_model_runner, "copy_kv_cache_blocks_inplace")
+    copy_original = require_own(gpu_model_runner, "copy_kv_cache_blocks_inplace")
     if copy_original is not utils.copy_kv_cache_blocks_inplace:
         raise IntegrationError(
             "vllm.v1.worker.gpu_model_runner.copy_kv_cache_blocks_inplace is not vLLM's helper; "
             "another plugin already replaced it"
         )
     return [
-        (runner, "_allocate_kv_cache_tensors", _wrap_allocate(_require_own(runner, "_allocate_kv_cache_tensors"))),
-        (runner, "_reshape_kv_cache_tensors", _wrap_reshape(_require_own(runner, "_reshape_kv_cache_tensors"))),
+        (runner, "_allocate_kv_cache_tensors", _wrap_allocate(require_own(runner, "_allocate_kv_cache_tensors"))),
+        (runner, "_reshape_kv_cache_tensors", _wrap_reshape(require_own(runner, "_reshape_kv_cache_tensors"))),
         (
             runner,
             "_init_minimal_kv_cache_for_profiling",
-            _wrap_profiling(_require_own(runner, "_init_minimal_kv_cache_for_profiling")),
+            _wrap_profiling(require_own(runner, "_init_minimal_kv_cache_for_profiling")),
         ),
         (gpu_model_runner, "copy_kv_cache_blocks_inplace", _wrap_copy(copy_original)),
         *_memory_plan(),
@@ -562,9 +518,7 @@ def install(caps: Capabilities) -> None:
             return
         enabled = enabled_from_env()
         plan = _plan(caps)  # validates everything before the first setattr
-        for owner, name, replacement in plan:
-            _patches.append(_Patch(owner, name, _own(owner, name)))
-            setattr(owner, name, replacement)
+        _patches.apply(plan)
         _state.caps = caps
         _state.enabled = enabled
 
@@ -575,12 +529,7 @@ def uninstall() -> None:
     The published KV space is left alone: the engine's pool may still be using it.
     """
     with _lock:
-        while _patches:
-            patch = _patches.pop()
-            if patch.original is _MISSING:
-                delattr(patch.owner, patch.name)
-            else:
-                setattr(patch.owner, patch.name, patch.original)
+        _patches.restore()
         _state.caps = None
         _state.enabled = False
         _state.backing_strides = {}
