@@ -123,7 +123,9 @@ def run_case(case: CopyCase, num_blocks: int = 600, device: str = "cuda:0", seed
         idx = torch.tensor(blocks, device=device)
         for v in views:
             v[_kernel_rows(idx, case.ratio)] = torch.randn_like(v[_kernel_rows(idx, case.ratio)])
-        expected = [v[_kernel_rows(idx, case.ratio)].clone() for v in views]
+        # The reference lives on the host: the probe then holds no device memory of its own
+        # beyond short-lived gathers, so leak checks see kvcached's allocations alone.
+        expected = [v[_kernel_rows(idx, case.ratio)].cpu() for v in views]
 
         # Random copies among the held blocks: unique destinations, gather-then-scatter.
         perm = torch.randperm(num_blocks)
@@ -137,7 +139,7 @@ def run_case(case: CopyCase, num_blocks: int = 600, device: str = "cuda:0", seed
             ref_rows = ref.view(num_blocks, case.ratio, *ref.shape[1:])
             ref_rows[dst_pos] = ref_rows[src_pos].clone()
         copy_exact = all(
-            torch.equal(v[_kernel_rows(idx, case.ratio)], ref) for v, ref in zip(views, expected, strict=True)
+            torch.equal(v[_kernel_rows(idx, case.ratio)].cpu(), ref) for v, ref in zip(views, expected, strict=True)
         )
         # One backing run per backing: separate layers give LAYERS backings (the Mamba view
         # shares the first), interleaved layers merge into one contiguous run.
@@ -158,7 +160,7 @@ def run_case(case: CopyCase, num_blocks: int = 600, device: str = "cuda:0", seed
         for v in views:
             v[_kernel_rows(more_idx, case.ratio)] = 1.0
         verified = all(
-            torch.equal(v[_kernel_rows(idx, case.ratio)], ref) for v, ref in zip(views, expected, strict=True)
+            torch.equal(v[_kernel_rows(idx, case.ratio)].cpu(), ref) for v, ref in zip(views, expected, strict=True)
         ) and all(bool((v[_kernel_rows(more_idx, case.ratio)] == 1.0).all()) for v in views)
         arena.ledger.release(blocks + more)
         return CaseResult(case.name, num_blocks, len(pairs), copy_exact, runs_copied, runs_expected,
