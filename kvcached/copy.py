@@ -236,12 +236,10 @@ def copy_blocks(kv_caches: Iterable[KVCacheEntry], num_blocks: int, copies: Sequ
 
     def indices(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in index_cache:
-            host = torch.tensor([srcs, dsts], dtype=torch.int64)
-            if device.type == "cuda":
-                # Pinned + non_blocking keeps the copy on the stream without a host
-                # sync; torch keeps the pinned block alive until the transfer is done.
-                host = host.pin_memory()
-            idx = host.to(device, non_blocking=True)
+            # A few hundred bytes from pageable memory: the driver stages them at once
+            # without waiting on the device, and no pinned block outlives the batch (a
+            # pinned staging block would stay in torch's host cache for the process's life).
+            idx = torch.tensor([srcs, dsts], dtype=torch.int64, device=device)
             index_cache[device] = (idx[0], idx[1])
         return index_cache[device]
 
