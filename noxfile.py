@@ -24,22 +24,15 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).parent
+# The engine environment lives beside the harness that also uses it; the module imports
+# nothing, so nox can load it before the project is installed anywhere.
+sys.path.insert(0, str(ROOT))
+from conformance.engine_env import ENGINE_ENV
+
 ENV_DIR = ROOT / ".nox" / "kvcached-env"
 SANITIZE_DIR = ROOT / ".nox" / "kvcached-asan"
 
 nox.options.sessions = ["tests"]
-
-# vLLM on CPU: offline, no telemetry, loopback only, in-process engine core.
-ENGINE_ENV = {
-    "VLLM_HOST_IP": "127.0.0.1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "VLLM_DO_NOT_TRACK": "1",
-    "DO_NOT_TRACK": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_USE_V2_MODEL_RUNNER": "0",
-}
 
 # PyPI's torchvision/torchaudio/torchcodec wheels are CUDA builds that break
 # `import transformers` next to CPU torch; vLLM's text models do not need them.

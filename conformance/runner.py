@@ -32,16 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from conformance.cases import Case, Control
+from conformance.engine_env import ENGINE_ENV as BASE_ENGINE_ENV
 
 ENGINE_ENV = {
-    "VLLM_HOST_IP": "127.0.0.1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "VLLM_DO_NOT_TRACK": "1",
-    "DO_NOT_TRACK": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_USE_V2_MODEL_RUNNER": "0",
+    **BASE_ENGINE_ENV,
     # Prefix-cache hashes are seeded from PYTHONHASHSEED; a fixed seed makes block hashes
     # equal across processes, which is how KV blocks of two engines are matched.
     "PYTHONHASHSEED": "0",

@@ -27,17 +27,7 @@ from typing import Any
 
 import pytest
 
-#: vLLM on CPU: offline, no telemetry, loopback only, engine core in-process, Model Runner V1.
-ENGINE_ENV = {
-    "VLLM_HOST_IP": "127.0.0.1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "VLLM_DO_NOT_TRACK": "1",
-    "DO_NOT_TRACK": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_USE_V2_MODEL_RUNNER": "0",
-}
+from conformance.engine_env import ENGINE_ENV
 
 #: The native side loads no plugin at all (an empty allow-list), so it is vLLM alone.
 NATIVE_ENV = {"VLLM_PLUGINS": ""}

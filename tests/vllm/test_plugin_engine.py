@@ -17,15 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ENGINE_ENV = {
-    "VLLM_HOST_IP": "127.0.0.1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "VLLM_DO_NOT_TRACK": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_USE_V2_MODEL_RUNNER": "0",
-}
+from conformance.engine_env import ENGINE_ENV
 
 CHILD = textwrap.dedent("""
     import functools, json, sys
