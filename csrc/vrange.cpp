@@ -128,16 +128,22 @@ void RangeState::unmap_one_locked(std::size_t page) {
   backend_->release(off);
 }
 
-void RangeState::map(const std::vector<std::int64_t>& pages) {
-  std::lock_guard<std::mutex> lock(mu_);
-  check_open();
+void RangeState::check_batch_locked(const std::vector<std::int64_t>& pages, bool want_mapped,
+                                    const char* op) const {
   std::vector<std::uint8_t> seen(mapped_.size(), 0);
   for (std::int64_t raw : pages) {
     std::size_t p = checked_index(raw);
-    if (mapped_[p]) throw_invariant(page_name(p) + " is already mapped");
-    if (seen[p]) throw_invariant(page_name(p) + " appears twice in one map() call");
+    if (want_mapped && !mapped_[p]) throw_invariant(page_name(p) + " is not mapped");
+    if (!want_mapped && mapped_[p]) throw_invariant(page_name(p) + " is already mapped");
+    if (seen[p]) throw_invariant(page_name(p) + " appears twice in one " + op + "() call");
     seen[p] = 1;
   }
+}
+
+void RangeState::map(const std::vector<std::int64_t>& pages) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_open();
+  check_batch_locked(pages, /*want_mapped=*/false, "map");
   std::size_t done = 0;
   try {
     for (; done < pages.size(); ++done) map_one_locked(static_cast<std::size_t>(pages[done]));
@@ -161,13 +167,7 @@ void RangeState::map(const std::vector<std::int64_t>& pages) {
 void RangeState::unmap(const std::vector<std::int64_t>& pages) {
   std::lock_guard<std::mutex> lock(mu_);
   check_open();
-  std::vector<std::uint8_t> seen(mapped_.size(), 0);
-  for (std::int64_t raw : pages) {
-    std::size_t p = checked_index(raw);
-    if (!mapped_[p]) throw_invariant(page_name(p) + " is not mapped");
-    if (seen[p]) throw_invariant(page_name(p) + " appears twice in one unmap() call");
-    seen[p] = 1;
-  }
+  check_batch_locked(pages, /*want_mapped=*/true, "unmap");
   for (std::int64_t raw : pages) unmap_one_locked(static_cast<std::size_t>(raw));
 }
 

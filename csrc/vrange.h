@@ -56,6 +56,9 @@ class RangeState {
  private:
   void check_open() const;
   std::size_t checked_index(std::int64_t page) const;
+  // Validates a whole batch before any change: every index in range, none twice, and
+  // every page mapped (want_mapped) or unmapped (!want_mapped). Throws InvariantError.
+  void check_batch_locked(const std::vector<std::int64_t>& pages, bool want_mapped, const char* op) const;
   void map_one_locked(std::size_t page);
   void unmap_one_locked(std::size_t page);
 
