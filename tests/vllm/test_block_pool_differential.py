@@ -12,18 +12,16 @@ elastic pool's mapped pages must follow its live + cached blocks.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash, resolve_block_hashes
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, resolve_block_hashes
 from vllm.v1.request import Request
+from vllm_requests import make_request
 
 from kvcached.config import KvcachedConfig
 from kvcached.fence import StepFence
@@ -42,18 +40,8 @@ CHUNKS = ((1, 2, 3, 4), (5, 6, 7, 8), (1, 2, 3, 5), (9, 9, 9, 9))
 # (full and partial) are common.
 DOCS = ((1, 2, 3, 4) * 3 + (5, 6, 7, 8) * 3, (9, 9, 9, 9, 1, 2, 3, 4) * 3)
 
-init_none_hash(sha256)
-_ids = itertools.count()
 
 
-def make_request(tokens: list[int], hash_block_size: int = HASH) -> Request:
-    return Request(
-        request_id=f"r{next(_ids)}",
-        prompt_token_ids=list(tokens),
-        sampling_params=SamplingParams(max_tokens=64),
-        pooling_params=None,
-        block_hasher=get_request_block_hasher(hash_block_size, sha256),
-    )
 
 
 def make_elastic(num_blocks: int = NUM_BLOCKS, hash_block_size: int = HASH, *, caching: bool = True,
@@ -144,7 +132,7 @@ class PoolDifferential(RuleBasedStateMachine):
         tokens = list(doc[:shared]) + [t for c in chunks for t in c] + [7] * tail
         if not tokens:
             return
-        request = make_request(tokens)
+        request = make_request(tokens, HASH)
         hashes = resolve_block_hashes(request.block_hashes, HASH, BLOCK)
         hits: list[tuple[KVCacheBlock, KVCacheBlock]] = []
         for i in range((len(tokens) - 1) // BLOCK):

@@ -8,14 +8,10 @@ Geometry: 4 blocks per kv page; block 0 is the null block, pinned on page 0.
 from __future__ import annotations
 
 import gc
-import itertools
 
 import pytest
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.request import Request
+from vllm_requests import make_request
 
 from kvcached.config import KvcachedConfig
 from kvcached.errors import InvariantError, PhysicalMemoryExhausted
@@ -31,18 +27,8 @@ PAGE = 4096
 STRIDE = 1024  # 4 blocks per kv page
 BLOCK = 16
 
-init_none_hash(sha256)
-_ids = itertools.count()
 
 
-def make_request(tokens: list[int], hash_block_size: int = BLOCK) -> Request:
-    return Request(
-        request_id=f"e{next(_ids)}",
-        prompt_token_ids=list(tokens),
-        sampling_params=SamplingParams(max_tokens=64),
-        pooling_params=None,
-        block_hasher=get_request_block_hasher(hash_block_size, sha256),
-    )
 
 
 class Rig:
@@ -91,7 +77,7 @@ def rigs():
 
 def cached_request(pool: BlockPool, num_blocks: int, first_token: int = 1) -> list:
     """Allocate, fill and cache ``num_blocks`` full blocks of a fresh request."""
-    request = make_request(list(range(first_token, first_token + num_blocks * BLOCK)))
+    request = make_request(list(range(first_token, first_token + num_blocks * BLOCK)), BLOCK)
     blocks = pool.get_new_blocks(num_blocks)
     pool.cache_full_blocks(request, blocks, 0, num_blocks, BLOCK, 0)
     return blocks
@@ -102,7 +88,7 @@ def test_partial_entry_promotion_with_hash_granularity_4() -> None:
     rig = Rig(hash_block_size=4)
     native = BlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=4, enable_kv_cache_events=True)
     try:
-        request = make_request(list(range(100, 124)), hash_block_size=4)  # 24 tokens, 6 fine hashes
+        request = make_request(list(range(100, 124)), 4)  # 24 tokens, 6 fine hashes
         pools = (native, rig.pool)
         blocks = [pool.get_new_blocks(2) for pool in pools]
         for pool, bl in zip(pools, blocks, strict=True):
@@ -283,7 +269,7 @@ def test_hashing_a_free_clean_block_is_refused(rigs) -> None:
     pool = rigs().pool
     block = pool.get_new_blocks(1)[0]
     pool.free_blocks([block])
-    request = make_request(list(range(16)))
+    request = make_request(list(range(16)), BLOCK)
     with pytest.raises(InvariantError, match="hashed free block"):
         pool.cache_full_blocks(request, [block], 0, 1, BLOCK, 0)
     assert block.block_hash is None

@@ -15,12 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
+from vllm_requests import make_request
 
 from kvcached import space as kv_space
 from kvcached.config import KvcachedConfig
@@ -34,14 +32,10 @@ PAGE = 4096
 NUM_BLOCKS = 32  # 8 kv pages of 4 blocks
 BLOCK = 16
 
-init_none_hash(sha256)
-_ids = itertools.count()
+_plan_ids = itertools.count()
 
 
-def make_request(tokens: list[int]) -> Request:
-    return Request(request_id=f"x{next(_ids)}", prompt_token_ids=tokens,
-                   sampling_params=SamplingParams(max_tokens=16), pooling_params=None,
-                   block_hasher=get_request_block_hasher(BLOCK, sha256))
+
 
 
 class Engine:
@@ -67,7 +61,7 @@ class Engine:
         if plans is None:
             self._env.delenv("KVCACHED_FAULT_PLAN", raising=False)
         else:  # the core's fault seam: a plan file, as the conformance harness drives it
-            plan = tmp / f"faults-{next(_ids)}.json"
+            plan = tmp / f"faults-{next(_plan_ids)}.json"
             plan.write_text(json.dumps({"plans": plans}))
             self._env.setenv("KVCACHED_FAULT_PLAN", str(plan))
         self.manager = KVCacheManager(cfg, max_model_len=1024, scheduler_block_size=BLOCK, hash_block_size=BLOCK,
@@ -111,9 +105,9 @@ def engines(tmp_path: Path):
 
 def test_exhaustion_is_a_miss_that_leaks_nothing_and_recovers(engines) -> None:
     eng = engines(budget_pages=2)  # 8 blocks of memory for 32 logical blocks
-    first = make_request(list(range(100)))  # 7 blocks: the whole budget (the null block has one)
+    first = make_request(list(range(100)), BLOCK, max_tokens=16)  # 7 blocks: the whole budget (the null block has one)
     assert eng.admit(first) is not None
-    second = make_request(list(range(1000, 1020)))
+    second = make_request(list(range(1000, 1020)), BLOCK, max_tokens=16)
     before = eng.snapshot()
     assert eng.admit(second) is None  # native would admit: 24 logical blocks are free
     assert eng.snapshot() == before
@@ -125,11 +119,11 @@ def test_exhaustion_is_a_miss_that_leaks_nothing_and_recovers(engines) -> None:
 
 def test_idle_cache_is_reclaimed_before_admission_fails(engines) -> None:
     eng = engines(budget_pages=2)
-    first = make_request(list(range(112)))  # 7 full blocks, all cached when freed
+    first = make_request(list(range(112)), BLOCK, max_tokens=16)  # 7 full blocks, all cached when freed
     assert eng.admit(first) is not None
     eng.manager.free(first)
     assert eng.pool.get_num_free_blocks() == 0
-    second = make_request(list(range(5000, 5040)))
+    second = make_request(list(range(5000, 5040)), BLOCK, max_tokens=16)
     blocks = eng.admit(second)
     assert blocks is not None and len(blocks.get_block_ids()[0]) == 3
     eng.pool.check()
@@ -139,7 +133,7 @@ def test_injected_admission_failure_is_a_miss_then_succeeds(engines) -> None:
     eng = engines(budget_pages=8, plans=[{"site": "admission", "fail_next": 1}])
     faults = eng.faults
     assert faults is not None
-    request = make_request(list(range(40)))
+    request = make_request(list(range(40)), BLOCK, max_tokens=16)
     before = eng.snapshot()
     assert eng.admit(request) is None
     assert eng.snapshot() == before and faults.fired("admission") == 1
@@ -151,13 +145,13 @@ def test_partial_prefix_hit_uses_the_cow_admission_site(engines) -> None:
                                           "fail_next": 2}])
     faults = eng.faults
     assert faults is not None
-    owner = make_request(list(range(32)))
+    owner = make_request(list(range(32)), BLOCK, max_tokens=16)
     assert eng.admit(owner) is not None
     eng.manager.free(owner)  # two full blocks, cached
     hit = eng.manager.block_pool.get_cached_block(owner.block_hashes[1], [0])
     assert hit is not None
     source = [eng.manager.block_pool.get_cached_block(h, [0])[0] for h in owner.block_hashes[:2]]  # type: ignore[index]
-    reader = make_request(list(range(24)) + [999] * 16)
+    reader = make_request(list(range(24)) + [999] * 16, BLOCK, max_tokens=16)
     # A prefix hit that ends inside block 1 (24 tokens): vLLM copies the shared tail block.
     computed = eng.manager.create_kv_cache_blocks((source,))
     before = eng.snapshot()
@@ -176,7 +170,7 @@ def test_partial_prefix_hit_uses_the_cow_admission_site(engines) -> None:
 
 def test_scheduler_estimates_outside_admission_map_nothing(engines) -> None:
     eng = engines(budget_pages=8)
-    request = make_request(list(range(200)))
+    request = make_request(list(range(200)), BLOCK, max_tokens=16)
     # The scheduler asks the coordinator for estimates of its own (async-load reservations).
     estimate = eng.manager.coordinator.get_num_blocks_to_allocate(
         request_id=request.request_id, num_tokens=200, new_computed_blocks=eng.manager.empty_kv_cache_blocks.blocks,
