@@ -7,6 +7,7 @@
 #include "budget.h"
 #include "cpu_backend.h"
 #include "cuda_driver.h"
+#include "cuda_floor.h"
 #include "dlpack.h"
 #include "errors.h"
 #include "vrange.h"
@@ -166,5 +167,25 @@ PYBIND11_MODULE(_vmm, m) {
         "(free, total) bytes of a CUDA device, from cuMemGetInfo_v2.");
   m.def("cuda_granularity", &kvcached::cuda::granularity, py::arg("device"), release_gil(),
         "Minimum VMM allocation granularity of a CUDA device in bytes.");
+  m.def(
+      "cuda_driver_floor",
+      [](int device, std::size_t page_size, std::size_t pages) {
+        kvcached::cuda::FloorTimes t;
+        {
+          py::gil_scoped_release nogil;
+          t = kvcached::cuda::driver_floor(device, page_size, pages);
+        }
+        py::dict d;
+        d["create_us"] = t.create_ns / 1000.0;
+        d["map_us"] = t.map_ns / 1000.0;
+        d["set_access_us"] = t.set_access_ns / 1000.0;
+        d["unmap_us"] = t.unmap_ns / 1000.0;
+        d["release_us"] = t.release_ns / 1000.0;
+        return d;
+      },
+      py::arg("device"), py::arg("page_size"), py::arg("pages"),
+      "Mean microseconds per raw driver call (create, map, set_access, unmap, release) over "
+      "`pages` pages mapped and unmapped one at a time, timed natively with no kvcached "
+      "bookkeeping: the floor the GPU cost probe compares kvcached against.");
   m.def("os_page_size", &kvcached::os_page_size, "The OS page size in bytes.");
 }

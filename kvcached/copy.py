@@ -232,26 +232,28 @@ def copy_blocks(kv_caches: Iterable[KVCacheEntry], num_blocks: int, copies: Sequ
     if not srcs or not plan:
         return 0
 
-    index_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def indices(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in index_cache:
-            # A few hundred bytes from pageable memory: the driver stages them at once
-            # without waiting on the device, and no pinned block outlives the batch (a
-            # pinned staging block would stay in torch's host cache for the process's life).
-            idx = torch.tensor([srcs, dsts], dtype=torch.int64, device=device)
-            index_cache[device] = (idx[0], idx[1])
-        return index_cache[device]
-
+    # One (2, n) src/dst index tensor per device, uploaded from pageable memory: a few
+    # hundred bytes the driver stages at once, and no pinned staging block outlives the
+    # batch (one would stay in torch's host cache for the life of the process).
+    index: dict[torch.device, torch.Tensor] = {}
+    pair: torch.Tensor | None = None
     runs_done = 0
-    for g, runs in plan:
-        device = g.tensor.device
-        src_idx, dst_idx = indices(device)
-        raw = torch.empty(0, dtype=torch.uint8, device=device)
-        raw.set_(g.tensor.untyped_storage())
-        for off, n in runs:
-            rows = torch.as_strided(raw, (num_blocks, n), (g.block_stride, 1), off)
-            rows[dst_idx] = rows[src_idx]
-            runs_done += 1
+    try:
+        for g, runs in plan:
+            device = g.tensor.device
+            if device not in index:
+                index[device] = torch.tensor([srcs, dsts], dtype=torch.int64, device=device)
+            pair = index[device]
+            raw = torch.empty(0, dtype=torch.uint8, device=device)
+            raw.set_(g.tensor.untyped_storage())
+            for off, n in runs:
+                rows = torch.as_strided(raw, (num_blocks, n), (g.block_stride, 1), off)
+                rows[pair[1]] = rows[pair[0]]
+                runs_done += 1
+    finally:
+        # The index tensors die here, not whenever this frame is torn down: a tool that
+        # keeps frames alive (compute-sanitizer's leak check does) must not keep them.
+        index.clear()
+        pair = None
     _record(len(srcs), runs_done)
     return runs_done

@@ -6,7 +6,8 @@
   logical/kernel block ratio 1/2), 600 blocks each, through kvcached's real CUDA backend;
 * ``cost``: per-page map/unmap cost against the raw driver floor, plus batching and the
   pre-mapped reserve;
-* ``sanitizer``: the copy matrix again under ``compute-sanitizer --tool memcheck``;
+* ``sanitizer``: kvcached's backend tests and the copy matrix under ``compute-sanitizer
+  --tool memcheck --leak-check full``, with controls (a planted leak must be reported);
 * ``serving``: the hybrid attention/GDN serving probe (needs a CUDA build of vLLM; skipped
   with the reason otherwise).
 

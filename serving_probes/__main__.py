@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -34,6 +32,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--blocks", type=int, default=600, help="blocks mapped per copy case (default 600)")
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--cost-pages", type=int, default=256, help="pages timed per cost path (default 256)")
+    p.add_argument("--cost-rounds", type=int, default=5,
+                   help="alternating floor/kvcached rounds after a warm-up round (default 5)")
     p.add_argument("--no-report", action="store_true", help="print results only (used under the sanitizer)")
     p.add_argument("--no-pressure", action="store_true",
                    help="skip the device-filling phase of the copy cases (used under the sanitizer, where "
@@ -67,59 +67,13 @@ def _environment() -> dict[str, str]:
                                  capture_output=True, text=True, check=False).stdout.strip()
             env["driver"] = out.splitlines()[0] if out else "unknown"
         env["cuda (torch)"] = str(torch.version.cuda)
+    from serving_probes.sanitizer import find_tool
+
+    tool = find_tool()
+    if tool:
+        out = subprocess.run([tool, "--version"], capture_output=True, text=True, check=False).stdout
+        env["compute-sanitizer"] = next((ln.strip() for ln in out.splitlines() if ln.startswith("Version")), "unknown")
     return env
-
-
-def _sanitizer(args: argparse.Namespace) -> dict[str, object]:
-    """Run compute-sanitizer memcheck over kvcached's CUDA paths; report each run."""
-    tool = shutil.which("compute-sanitizer") or next(
-        (str(p) for p in Path("/usr/local").glob("cuda*/bin/compute-sanitizer") if p.exists()), None)
-    if tool is None:
-        return {"status": "not run", "detail": "compute-sanitizer not found on PATH or /usr/local/cuda*/bin"}
-    # Without caching, torch returns device memory with cudaFree as soon as a tensor dies,
-    # so a leak report names real lifetimes rather than torch's cache.
-    env = {**os.environ, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
-    runs = {
-        # kvcached's own CUDA backend: reserve, map, views, OOM rollback, unmap, release.
-        "backend tests, memcheck + leak check": [
-            "--tool", "memcheck", "--leak-check", "full",
-            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_vmm_cuda.py",
-            # This test touches an unmapped slot on purpose (in a child process) to prove the
-            # fault is loud; under memcheck that planted access is, correctly, an error.
-            "-k", "not stray_access"],
-        # The copy matrix (no device filling: each deliberate OOM is reported as an API error).
-        "copy matrix, memcheck": [
-            "--tool", "memcheck",
-            sys.executable, "-m", "serving_probes", "--only", "copy", "--blocks", "120", "--no-report",
-            "--no-pressure"],
-        # Control without kvcached: torch tensors created and dropped in a function. If the
-        # leak check flags these too, its reports for the copy matrix are torch's, not ours.
-        "torch-only control, memcheck + leak check": [
-            "--tool", "memcheck", "--leak-check", "full", sys.executable, "-c",
-            ("import torch\ndef f():\n    x = torch.randn(1 << 20, device='cuda')\n    return float(x.clone().sum())\n"
-            "[f() for _ in range(3)]\ntorch.cuda.synchronize()")],
-        "copy matrix, memcheck + leak check": [
-            "--tool", "memcheck", "--leak-check", "full",
-            sys.executable, "-m", "serving_probes", "--only", "copy", "--blocks", "120", "--no-report",
-            "--no-pressure"],
-    }
-    out: dict[str, object] = {"status": "ran", "environment": "PYTORCH_NO_CUDA_MEMORY_CACHING=1"}
-    for name, argv in runs.items():
-        proc = subprocess.run([tool, "--error-exitcode", "3", *argv], capture_output=True, text=True,
-                              check=False, timeout=240, env=env)
-        text = proc.stdout + proc.stderr
-        errors = re.search(r"ERROR SUMMARY: (\d+) error", text)
-        leaks = re.search(r"LEAK SUMMARY: (\d+) bytes leaked in (\d+) allocations", text)
-        apis = sorted(set(re.findall(r"Host Frame: (cu\w+|cuda\w+) ", text)))
-        out[name] = {
-            "command": "compute-sanitizer " + " ".join(a if a != sys.executable else "python" for a in argv),
-            "exit_code": proc.returncode,
-            "errors": int(errors.group(1)) if errors else -1,
-            "leaked_bytes": int(leaks.group(1)) if leaks else 0,
-            "allocation_apis_in_reports": apis,
-            "tail": text[-1200:],
-        }
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,25 +116,35 @@ def main(argv: list[str] | None = None) -> int:
         results["copy"] = rows
 
     if "cost" in args.only:
-        from serving_probes.driver_cost import kvcached_rows, raw_floor
+        from serving_probes.driver_cost import measure
 
-        page = _vmm.cuda_granularity(0)
-        floor, overhead = raw_floor(0, page, args.cost_pages)
-        rows = [floor, *kvcached_rows(args.device, page, args.cost_pages)]
+        cost = measure(args.device, _vmm.cuda_granularity(0), args.cost_pages, args.cost_rounds)
+        floor = cost.rows[0]
         results["cost"] = [{"path": r.path, "map_us": round(r.map_us, 2), "unmap_us": round(r.unmap_us, 2),
                             "total_us": round(r.total_us, 2),
-                            "ratio_vs_floor": round(r.total_us / floor.total_us, 3)} for r in rows]
-        results["ctypes_overhead_us_per_call"] = round(overhead, 3)
-        for row in results["cost"]:  # type: ignore[union-attr]
+                            "ratio_vs_floor": round(r.total_us / floor.total_us, 3),
+                            "ratio_range_over_rounds": str(cost.ratio_range.get(r.path, "-"))}
+                           for r in cost.rows]
+        results["floor_calls"] = breakdown = cost.floor_calls
+        for row in [*results["cost"], *breakdown]:  # type: ignore[misc]
             print(f"cost {row}", flush=True)
 
     if "sanitizer" in args.only:
-        san = _sanitizer(args)
-        results["sanitizer"] = san
-        for name, run in san.items():
-            if isinstance(run, dict):
-                failed |= run["errors"] != 0
-                print(f"sanitizer {name}: { {k: v for k, v in run.items() if k != 'tail'} }", flush=True)
+        from serving_probes.sanitizer import find_tool, run_all
+
+        tool = find_tool()
+        if tool is None:
+            results["sanitizer_status"] = "not run: compute-sanitizer not found on PATH or /usr/local/cuda*/bin"
+            print(f"sanitizer: {results['sanitizer_status']}", flush=True)
+        else:
+            san_rows, san_logs = run_all(tool)
+            results["sanitizer"] = [dataclasses.asdict(r) for r in san_rows]
+            results["sanitizer_logs"] = san_logs
+            for r in san_rows:
+                failed |= r.verdict == "FAIL"
+                print(f"sanitizer {r.name}: {r.verdict} (exit {r.exit_code}, {r.errors} errors, "
+                      f"{r.leaked_bytes} B leaked in {r.leaked_allocations}; APIs: {r.apis_in_reports or '-'})",
+                      flush=True)
 
     if "serving" in args.only:
         from serving_probes.hybrid_serving import run as run_serving
@@ -189,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         results["serving"] = dataclasses.asdict(serving)
         print(f"serving: {serving.status} {serving.reason}", flush=True)
 
-    torch.cuda.synchronize()
-    gc.collect()  # drop anything only a reference cycle still holds before measuring
-    torch.cuda.empty_cache()
+    # What torch still caches would hide (or be mistaken for) what kvcached gave back.
+    from serving_probes.torch_caches import release_torch_caches
+
+    release_torch_caches()
     free_end, _ = torch.cuda.mem_get_info()
     results["teardown"] = {"free_bytes_start": free_start, "free_bytes_end": free_end,
                            "torch_live_tensor_bytes": torch.cuda.memory_allocated(),

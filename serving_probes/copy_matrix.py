@@ -120,12 +120,12 @@ def run_case(case: CopyCase, num_blocks: int = 600, device: str = "cuda:0", seed
         annotate(kv_caches, capacity_blocks, block_dim=0)
 
         blocks = arena.ledger.allocate(num_blocks, wait=True)
-        idx = torch.tensor(blocks, device=device)
+        rows = _kernel_rows(blocks, case.ratio, device)
         for v in views:
-            v[_kernel_rows(idx, case.ratio)] = torch.randn_like(v[_kernel_rows(idx, case.ratio)])
+            v[rows] = torch.randn_like(v[rows])
         # The reference lives on the host: the probe then holds no device memory of its own
         # beyond short-lived gathers, so leak checks see kvcached's allocations alone.
-        expected = [v[_kernel_rows(idx, case.ratio)].cpu() for v in views]
+        expected = [v[rows].cpu() for v in views]
 
         # Random copies among the held blocks: unique destinations, gather-then-scatter.
         perm = torch.randperm(num_blocks)
@@ -139,7 +139,7 @@ def run_case(case: CopyCase, num_blocks: int = 600, device: str = "cuda:0", seed
             ref_rows = ref.view(num_blocks, case.ratio, *ref.shape[1:])
             ref_rows[dst_pos] = ref_rows[src_pos].clone()
         copy_exact = all(
-            torch.equal(v[_kernel_rows(idx, case.ratio)].cpu(), ref) for v, ref in zip(views, expected, strict=True)
+            torch.equal(v[rows].cpu(), ref) for v, ref in zip(views, expected, strict=True)
         )
         # One backing run per backing: separate layers give LAYERS backings (the Mamba view
         # shares the first), interleaved layers merge into one contiguous run.
@@ -156,13 +156,16 @@ def run_case(case: CopyCase, num_blocks: int = 600, device: str = "cuda:0", seed
         more = arena.ledger.allocate(num_blocks, wait=True)
         recovery_ms = (time.monotonic() - start) * 1000
         failed_attempts = arena.pool.counters().map_failures - failures_before
-        more_idx = torch.tensor(more, device=device)
+        more_rows = _kernel_rows(more, case.ratio, device)
         for v in views:
-            v[_kernel_rows(more_idx, case.ratio)] = 1.0
+            v[more_rows] = 1.0
         verified = all(
-            torch.equal(v[_kernel_rows(idx, case.ratio)].cpu(), ref) for v, ref in zip(views, expected, strict=True)
-        ) and all(bool((v[_kernel_rows(more_idx, case.ratio)] == 1.0).all()) for v in views)
+            torch.equal(v[rows].cpu(), ref) for v, ref in zip(views, expected, strict=True)
+        ) and all(bool(v[more_rows].cpu().eq(1.0).all()) for v in views)  # compared on the host
         arena.ledger.release(blocks + more)
+        # Device tensors die before the frame does (see kvcached.copy: under the sanitizer's
+        # leak check, frames on the stack during a driver allocation outlive their call).
+        del rows, more_rows
         return CaseResult(case.name, num_blocks, len(pairs), copy_exact, runs_copied, runs_expected,
                           rejected, unchanged, len(more), round(recovery_ms, 1), failed_attempts, verified)
     finally:
@@ -171,9 +174,12 @@ def run_case(case: CopyCase, num_blocks: int = 600, device: str = "cuda:0", seed
             r.close()
 
 
-def _kernel_rows(idx: torch.Tensor, ratio: int) -> torch.Tensor:
-    """Kernel-block rows of logical blocks ``idx`` (ratio consecutive rows each)."""
-    return (idx[:, None] * ratio + torch.arange(ratio, device=idx.device)).reshape(-1)
+def _kernel_rows(blocks: list[int], ratio: int, device: str) -> torch.Tensor:
+    """Device index of the kernel-block rows of logical ``blocks`` (ratio consecutive rows each).
+
+    Built on the host and uploaded once, so no frame but the caller's holds it.
+    """
+    return torch.tensor([b * ratio + k for b in blocks for k in range(ratio)], dtype=torch.int64, device=device)
 
 
 def _pressure(arena: ElasticArena, num_blocks: int, device: str) -> tuple[bool, bool, list[torch.Tensor]]:
@@ -185,7 +191,9 @@ def _pressure(arena: ElasticArena, num_blocks: int, device: str) -> tuple[bool, 
     while chunk >= arena.pool.space.kv_page_bytes // 2:
         try:
             hog.append(torch.empty(chunk, dtype=torch.uint8, device=device))
-        except torch.OutOfMemoryError:
+        except RuntimeError as e:
+            if not _is_device_oom(e):
+                raise
             chunk //= 2
     before = (set(arena.pool.mapped), arena.ledger.num_held)
     try:
@@ -194,3 +202,10 @@ def _pressure(arena: ElasticArena, num_blocks: int, device: str) -> tuple[bool, 
         after = (set(arena.pool.mapped), arena.ledger.num_held)
         return True, after == before, hog
     return False, True, hog
+
+
+def _is_device_oom(e: RuntimeError) -> bool:
+    """torch's caching allocator raises OutOfMemoryError; with caching off
+    (``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, as under the sanitizer) a refused cudaMalloc
+    surfaces as a plain AcceleratorError that says "out of memory"."""
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)

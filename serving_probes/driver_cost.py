@@ -1,11 +1,14 @@
 """Per-page map/unmap cost of kvcached against the raw CUDA driver floor, in one run.
 
-Floor: the driver calls a VMM map needs and nothing else, called through ctypes:
-``cuMemCreate + cuMemMap + cuMemSetAccess`` to map and ``cuMemUnmap + cuMemRelease`` to
-unmap one page. ctypes adds its own call overhead, measured separately with a trivial
-driver call (``cuCtxGetCurrent``) and reported, so the floor is not flattered.
+Both sides are timed in alternating rounds in one process (`measure`).
 
-kvcached, same page size, same device:
+Floor: the driver calls a VMM map needs and nothing else, timed natively in C++
+(`kvcached._vmm.cuda_driver_floor`): ``cuMemCreate + cuMemMap + cuMemSetAccess`` to map
+and ``cuMemUnmap + cuMemRelease`` to unmap one page, with no bookkeeping and no Python
+between the calls. Its per-call means are also reported next to the spec's reference
+figures for this H200.
+
+kvcached, same page size, same device, called from Python as the scheduler does:
 * ``VirtualRange.map([i])`` / ``unmap([i])``: one page per call (the full native path);
 * batched: 64 pages per ``map``/``unmap`` call;
 * through the `PagePool` with a pre-mapped reserve: ``acquire``/``release`` of a page that
@@ -14,16 +17,18 @@ kvcached, same page size, same device:
 
 from __future__ import annotations
 
-import ctypes
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvcached import _vmm
 from kvcached.config import KvcachedConfig
 from kvcached.fence import StepFence
 from kvcached.pages import PagePool, PageSpace
+
+#: The spec's measured driver cost of one 2 MiB page on the H200, µs per call.
+SPEC_REFERENCE_US = {"create_us": 11.0, "map_us": 2.0, "set_access_us": 27.0, "unmap_us": None,
+                     "release_us": None, "unmap+release_us": 31.0}
 
 
 @dataclass(frozen=True)
@@ -37,67 +42,49 @@ class CostRow:
         return self.map_us + self.unmap_us
 
 
-class _Driver:
-    """The handful of driver entry points the floor needs, through ctypes."""
-
-    class Prop(ctypes.Structure):
-        _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int),
-                    ("loc_type", ctypes.c_int), ("loc_id", ctypes.c_int),
-                    ("win32HandleMetaData", ctypes.c_void_p),
-                    ("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
-                    ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
-
-    class Access(ctypes.Structure):
-        _fields_ = [("loc_type", ctypes.c_int), ("loc_id", ctypes.c_int), ("flags", ctypes.c_int)]
-
-    def __init__(self, device: int) -> None:
-        self.lib = ctypes.CDLL("libcuda.so.1")
-        self.device = device
-        self.prop = self.Prop(type=1, loc_type=1, loc_id=device)
-        self.access = self.Access(loc_type=1, loc_id=device, flags=3)
-
-    def call(self, name: str, *args: object) -> None:
-        rc = getattr(self.lib, name)(*args)
-        if rc != 0:
-            raise RuntimeError(f"{name} failed with CUresult {rc}")
+def _floor_calls(device: int, page_size: int, pages: int) -> dict[str, float]:
+    calls = dict(_vmm.cuda_driver_floor(device, page_size, pages))
+    calls["unmap+release_us"] = calls["unmap_us"] + calls["release_us"]
+    return calls
 
 
-def _time(fn: Callable[[], None], repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter_ns()
-        fn()
-        samples.append(time.perf_counter_ns() - start)
-    return statistics.median(samples) / 1000.0
+def _floor_row(calls: dict[str, float]) -> CostRow:
+    return CostRow("raw driver calls (C++ timing)", calls["create_us"] + calls["map_us"] + calls["set_access_us"],
+                   calls["unmap+release_us"])
 
 
-def raw_floor(device: int, page_size: int, pages: int) -> tuple[CostRow, float]:
-    drv = _Driver(device)
-    va = ctypes.c_ulonglong()
-    drv.call("cuMemAddressReserve", ctypes.byref(va), ctypes.c_size_t(pages * page_size),
-             ctypes.c_size_t(0), ctypes.c_ulonglong(0), ctypes.c_ulonglong(0))
-    handles = [ctypes.c_ulonglong() for _ in range(pages)]
-    map_t = unmap_t = 0
-    try:
-        start = time.perf_counter_ns()
-        for i, h in enumerate(handles):
-            drv.call("cuMemCreate", ctypes.byref(h), ctypes.c_size_t(page_size), ctypes.byref(drv.prop),
-                     ctypes.c_ulonglong(0))
-            addr = ctypes.c_ulonglong(va.value + i * page_size)
-            drv.call("cuMemMap", addr, ctypes.c_size_t(page_size), ctypes.c_size_t(0), h, ctypes.c_ulonglong(0))
-            drv.call("cuMemSetAccess", addr, ctypes.c_size_t(page_size), ctypes.byref(drv.access),
-                     ctypes.c_size_t(1))
-        map_t = time.perf_counter_ns() - start
-        start = time.perf_counter_ns()
-        for i, h in enumerate(handles):
-            drv.call("cuMemUnmap", ctypes.c_ulonglong(va.value + i * page_size), ctypes.c_size_t(page_size))
-            drv.call("cuMemRelease", h)
-        unmap_t = time.perf_counter_ns() - start
-    finally:
-        drv.call("cuMemAddressFree", va, ctypes.c_size_t(pages * page_size))
-    ctx = ctypes.c_void_p()
-    overhead = _time(lambda: drv.call("cuCtxGetCurrent", ctypes.byref(ctx)), 2000)
-    return CostRow("raw driver (ctypes)", map_t / pages / 1000, unmap_t / pages / 1000), overhead
+@dataclass(frozen=True)
+class CostResult:
+    rows: list[CostRow]  # floor first; medians over the timed rounds
+    floor_calls: list[dict[str, object]]  # per driver call, beside the spec's figures
+    ratio_range: dict[str, tuple[float, float]]  # path -> (min, max) per-round ratio to that round's floor
+
+
+def measure(device: str, page_size: int, pages: int, rounds: int = 5) -> CostResult:
+    """Floor and kvcached paths alternated for ``rounds`` rounds after one warm-up round.
+
+    Alternating in one process gives both sides the same driver state (the first pass
+    through the VMM API is slower); each figure is the median over the timed rounds.
+    """
+    ordinal = int(device.split(":")[1]) if ":" in device else 0
+    per_round: list[tuple[dict[str, float], list[CostRow]]] = []
+    for _ in range(rounds + 1):
+        per_round.append((_floor_calls(ordinal, page_size, pages), kvcached_rows(device, page_size, pages)))
+    timed = per_round[1:]
+    calls = {k: statistics.median(c[k] for c, _ in timed) for k in timed[0][0]}
+    floor = _floor_row(calls)
+    rows = [floor]
+    ratio_range = {}
+    for i, first in enumerate(timed[0][1]):
+        samples = [r[i] for _, r in timed]
+        rows.append(CostRow(first.path, statistics.median(r.map_us for r in samples),
+                            statistics.median(r.unmap_us for r in samples)))
+        ratios = [r[i].total_us / _floor_row(c).total_us for c, r in timed]
+        ratio_range[first.path] = (round(min(ratios), 3), round(max(ratios), 3))
+    breakdown = [{"driver call": key.removesuffix("_us").replace("_", " "),
+                  "measured_us": round(value, 2), "spec_reference_us": SPEC_REFERENCE_US[key]}
+                 for key, value in calls.items()]
+    return CostResult(rows, breakdown, ratio_range)
 
 
 def kvcached_rows(device: str, page_size: int, pages: int) -> list[CostRow]:

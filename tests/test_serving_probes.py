@@ -1,0 +1,94 @@
+"""The GPU probes' host-side logic, on CPU: the copy matrix over the real CPU backend,
+the sanitizer output parser against the committed H200 logs, and the report writer."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from serving_probes import copy_matrix
+from serving_probes.copy_matrix import all_cases, run_case
+from serving_probes.report import _slug, write_report
+from serving_probes.sanitizer import CLEAN, LEAK_REPORTED, OBSERVE, RUNS, judge, summarize
+from serving_probes.sanitizer_children import main as child_main
+from serving_probes.torch_caches import release_torch_caches
+
+GPU_REPORT = Path(__file__).resolve().parents[1] / "reports" / "gpu" / "latest"
+
+
+@pytest.mark.parametrize("case", all_cases(), ids=lambda c: c.name)
+def test_copy_matrix_case_passes_on_the_cpu_backend(case: copy_matrix.CopyCase) -> None:
+    r = run_case(case, 40, "cpu", pressure=False)
+    assert r.copy_exact and r.contents_verified
+    assert r.runs_copied == r.runs_expected == (3 if case.layers == "separate" else 1)
+    assert r.recovered_blocks == 40 and r.pairs_copied == 13
+
+
+def test_copy_matrix_detects_a_wrong_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Negative control: a copy helper that drops the last pair must fail the exactness check.
+    real = copy_matrix.copy_blocks
+    monkeypatch.setattr(copy_matrix, "copy_blocks", lambda caches, n, pairs: real(caches, n, pairs[:-1]))
+    r = run_case(copy_matrix.CopyCase("NHD", "separate", 2), 40, "cpu", pressure=False)
+    assert not r.copy_exact
+
+
+def test_judge_expectations() -> None:
+    assert judge(CLEAN, 0, 0, 0) == "pass"
+    assert judge(CLEAN, 3, 1, 64) == "FAIL"
+    assert judge(CLEAN, 0, -1, 0) == "FAIL"  # no summary: the tool did not finish
+    assert judge(CLEAN, 1, 0, 0) == "FAIL"  # the program itself failed
+    assert judge(LEAK_REPORTED, 3, 1, 4096) == "pass"
+    assert judge(LEAK_REPORTED, 0, 0, 0) == "FAIL"
+    assert judge(OBSERVE, 0, 0, 0) == "observed: no leak reported"
+    with pytest.raises(ValueError, match="unknown expectation"):
+        judge("clean-ish", 0, 0, 0)
+
+
+def test_summarize_reproduces_the_committed_h200_figures() -> None:
+    rows = list(csv.DictReader((GPU_REPORT / "sanitizer.csv").open()))
+    assert {r["name"] for r in rows} == {run.name for run in RUNS}
+    for row in rows:
+        s = summarize((GPU_REPORT / "sanitizer" / f"{_slug(row['name'])}.log").read_text())
+        assert (s.errors, s.leaked_bytes, s.leaked_allocations) == (
+            int(row["errors"]), int(row["leaked_bytes"]), int(row["leaked_allocations"])), row["name"]
+        assert judge(row["expect"], int(row["exit_code"]), s.errors, s.leaked_bytes) == row["verdict"]
+    assert summarize("no summary at all").errors == -1
+
+
+def test_write_report_tables_logs_and_latest(tmp_path: Path) -> None:
+    results = {
+        "environment": {"date": "2026-11-29", "torch": "x"},
+        "copy": [{"case": "NHD-separate-r1", "pass": True}],
+        "sanitizer": [{"name": "copy matrix", "expect": CLEAN, "command": "compute-sanitizer ...",
+                       "verdict": "pass"}],
+        "sanitizer_logs": {"copy matrix": "========= ERROR SUMMARY: 0 errors\n"},
+        "teardown": {"returned": True},
+    }
+    md = write_report(results, tmp_path)
+    latest = tmp_path / "latest"
+    assert (latest / "copy.csv").exists() and (latest / "sanitizer.csv").exists()
+    assert (latest / "sanitizer" / "copy-matrix.log").read_text().endswith("0 errors\n")
+    assert "sanitizer_logs" not in json.loads((latest / "results.json").read_text())
+    text = md.read_text()
+    assert "## VMM copy matrix" in text and "compute-sanitizer ..." not in text  # command stays in the CSV
+    assert "sanitizer_logs" in results  # the caller's dict is not changed
+
+
+def test_release_torch_caches_is_a_no_op_without_cuda() -> None:
+    assert release_torch_caches() == []
+
+
+def test_sanitizer_children_reject_an_unknown_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    assert child_main(["bogus"]) == 2
+    assert "torch-clean" in capsys.readouterr().err
+
+
+def test_device_oom_recognised_in_both_torch_shapes() -> None:
+    import torch
+
+    assert copy_matrix._is_device_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate"))
+    assert copy_matrix._is_device_oom(RuntimeError("CUDA error: out of memory"))
+    assert not copy_matrix._is_device_oom(RuntimeError("CUDA error: an illegal memory access"))
