@@ -13,15 +13,25 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from kvcached.copy import copy_stats, reset_copy_stats
 from kvcached.errors import CopyValidationError, IntegrationError
 from kvcached.integration.vllm import worker
-from kvcached.integration.vllm.capabilities import capabilities_for
+from kvcached.integration.vllm.capabilities import capabilities_for, detect
 from kvcached.views import annotate
 
-SEAMS = ("_allocate_kv_cache_tensors", "_reshape_kv_cache_tensors", "_init_minimal_kv_cache_for_profiling")
-CAPS = capabilities_for("0.28.0")
+CAPS = detect()  # the installed vLLM; the seams depend on where it allocates KV tensors
+# 0.26-0.28: runner methods allocate and reshape; 0.29: the module-level allocate_kv_cache
+RUNNER_SEAMS = ("_init_minimal_kv_cache_for_profiling",) + (
+    () if CAPS.allocate_kv_cache else ("_allocate_kv_cache_tensors", "_reshape_kv_cache_tensors")
+)
+MODULE_SEAMS = ("allocate_kv_cache",) if CAPS.allocate_kv_cache else ()
+# a supported series whose worker seams this vLLM does not have
+OTHER = capabilities_for("0.28.0" if CAPS.allocate_kv_cache else "0.29.0")
 
 
 def _originals() -> tuple[object, ...]:
-    return (*(vars(GPUModelRunner)[n] for n in SEAMS), gpu_model_runner.copy_kv_cache_blocks_inplace)
+    return (
+        *(vars(GPUModelRunner)[n] for n in RUNNER_SEAMS),
+        *(vars(gpu_model_runner)[n] for n in MODULE_SEAMS),
+        gpu_model_runner.copy_kv_cache_blocks_inplace,
+    )
 
 
 @pytest.fixture
@@ -51,6 +61,8 @@ def test_install_uninstall_restores_exact_originals(clean: None, monkeypatch: py
     assert _originals() == before
     assert all(a is b for a, b in zip(_originals(), before))
     assert gpu_model_runner.copy_kv_cache_blocks_inplace is utils.copy_kv_cache_blocks_inplace
+    for name in MODULE_SEAMS:
+        assert vars(gpu_model_runner)[name] is vars(utils)[name]
     assert not worker.is_enabled() and worker.installed_capabilities() is None
     worker.uninstall()  # idempotent
     assert _originals() == before
@@ -59,15 +71,29 @@ def test_install_uninstall_restores_exact_originals(clean: None, monkeypatch: py
 def test_install_refuses_other_capabilities(clean: None, monkeypatch: pytest.MonkeyPatch) -> None:
     _install(monkeypatch, enabled=True)
     with pytest.raises(IntegrationError, match="already installed"):
-        worker.install(capabilities_for("0.27.0"))
+        worker.install(OTHER)
 
 
-def test_install_refuses_029_with_nothing_patched(clean: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_install_refuses_another_series_seams_with_nothing_patched(
+    clean: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """0.29's capabilities on 0.26-0.28 (no allocate_kv_cache), or 0.28's on 0.29 (no runner methods)."""
     before = _originals()
     monkeypatch.setenv("KVCACHED_ENABLE", "1")
-    with pytest.raises(IntegrationError, match="allocate_kv_cache"):
-        worker.install(capabilities_for("0.29.0"))
+    missing = "_allocate_kv_cache_tensors" if CAPS.allocate_kv_cache else "allocate_kv_cache"
+    with pytest.raises(IntegrationError, match=f"{missing} is not defined where kvcached expects it"):
+        worker.install(OTHER)
     assert _originals() == before and worker.installed_capabilities() is None
+
+
+@pytest.mark.skipif(not CAPS.allocate_kv_cache, reason="vLLM allocates KV tensors in runner methods")
+def test_install_refuses_foreign_allocate_kv_cache(clean: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_model_runner, "allocate_kv_cache", lambda *a: {})
+    before = _originals()
+    monkeypatch.setenv("KVCACHED_ENABLE", "1")
+    with pytest.raises(IntegrationError, match="allocate_kv_cache is not vLLM's helper; another plugin"):
+        worker.install(CAPS)
+    assert _originals() == before
 
 
 def test_install_refuses_foreign_copy_helper(clean: None, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,8 +1,13 @@
 """Worker-side seams: KV tensors over virtual ranges, byte-page metadata, block copies,
 and the KV capacity the worker reports.
 
-Model Runner V1 (vLLM 0.26-0.28; 0.29 removed the allocation methods and is refused).
+Model Runner V1, vLLM 0.26-0.29. Where vLLM allocates KV tensors is the one worker
+difference between the series; `Capabilities.allocate_kv_cache` tells which seams apply.
 These attributes are replaced by `install`, each restored exactly by `uninstall`:
+
+0.26-0.28 (``allocate_kv_cache`` false): ``_allocate_kv_cache_tensors`` and
+``_reshape_kv_cache_tensors`` below. 0.29 (``allocate_kv_cache`` true): those methods are
+gone and ``vllm.v1.worker.gpu_model_runner.allocate_kv_cache`` replaces both (below).
 
 ``GPUModelRunner._allocate_kv_cache_tensors``
     Returns, per layer, an int8 tensor of exactly ``KVCacheTensor.size`` bytes, like
@@ -28,14 +33,36 @@ These attributes are replaced by `install`, each restored exactly by `uninstall`
 ``GPUModelRunner._init_minimal_kv_cache_for_profiling``
     Marks the minimal KV cache vLLM builds to profile CUDA-graph memory. Dummy runs write
     into it before any pool exists, so it must be ordinary memory: while the mark is set
-    the allocation seam delegates to vLLM and publishes nothing.
+    the allocation seam delegates to vLLM and publishes nothing. (0.29 builds it
+    through the same ``initialize_kv_cache`` and ``allocate_kv_cache``.)
+
+``vllm.v1.worker.gpu_model_runner.allocate_kv_cache`` (0.29)
+    The name the V1 runner imported from ``vllm.v1.worker.utils`` and calls from
+    ``initialize_kv_cache_tensors``. vLLM 0.29 places every layer in *one* backing
+    buffer, each layer view ``[B, H, N, C]`` at ``offset + l*layer_stride +
+    b*block_stride`` (``create_kv_cache_views``). kvcached runs vLLM's own function on
+    the ``meta`` device, so vLLM's code decides every view's shape, strides, dtype and
+    offset without allocating, then splits the buffer into its *regions* (maximal
+    ranges of overlapping views: one per layer slot for layer-outermost layouts such as
+    the CPU backend's LBHNC, the whole buffer for block-outermost ones such as BLHNC),
+    backs each region with its own `kvcached._vmm.VirtualRange` exactly like a 0.28
+    ``KVCacheTensor``, rebuilds every view with the same geometry over its region, and
+    attaches `kvcached.views.BytePageMeta` (block dimension 0, as in every 0.29 view)
+    with the same block-row check as ``_reshape_kv_cache_tensors``. A layer slot that
+    is not a whole number of kv pages therefore costs nothing: each region starts its
+    own range. Only the null block's kv page is mapped; the space is published as for
+    0.28.
 
 ``vllm.v1.worker.gpu_model_runner.copy_kv_cache_blocks_inplace``
     The name the V1 runner imported (patching ``vllm.v1.worker.utils`` would have no
     effect). When kvcached is disabled it calls the original; otherwise
     `kvcached.copy.copy_blocks`, which validates first and copies each backing's byte
     runs once. The runner's call site and timing are untouched. Model Runner V2 is not
-    patched (kvcached requires ``VLLM_USE_V2_MODEL_RUNNER=0``).
+    patched (kvcached requires ``VLLM_USE_V2_MODEL_RUNNER=0``). vLLM 0.29's own helper
+    copies view by view and would only touch the listed blocks, but it copies views
+    that overlay one backing (hybrid groups) once each, so a batch where a block is both
+    a destination and a later source is applied twice over the same bytes, and it
+    validates nothing before writing; kvcached's copy is kept on every series.
 
 Memory profiling (the KV capacity, in bytes, the worker reports to the engine, from
 which vLLM derives ``num_blocks``). kvcached's KV tensors are virtual: nothing is
@@ -77,7 +104,7 @@ budget into a miss. Without a budget the native capacity is reported unchanged.
 plugin only installs when enabled, but a disabled install makes every seam a pure
 delegation to vLLM, so tests and tools can install the seams without changing behaviour.
 
-Versions: the memory seams are checked against vLLM 0.28.0's source. `install` checks
+Versions: the memory seams are checked against vLLM 0.28.0's and 0.29.0's source. `install` checks
 the shape they rely on (the attributes exist where expected, ``request_memory`` is still
 vLLM's helper) and refuses, patching nothing, a vLLM that differs; there is no
 capability row because no supported series is known to differ.
@@ -102,11 +129,13 @@ from kvcached.copy import copy_blocks
 from kvcached.errors import ConfigError, CopyValidationError, IntegrationError
 from kvcached.integration.vllm.capabilities import Capabilities
 from kvcached.integration.vllm.patching import PatchSet, require_own
+from kvcached.integration.vllm.view_regions import plan_regions, rebase
 from kvcached.views import BytePageMeta, attach_meta, describe_block_view
 
 __all__ = [
     "NULL_BLOCK_PAGE",
     "allocate_kv_cache_tensors",
+    "allocate_kv_cache_views",
     "annotate_runner_views",
     "capped_kv_bytes",
     "install",
@@ -287,6 +316,81 @@ def _wrap_profiling(original: Callable[..., Any]) -> Callable[..., Any]:
             _profiling.active = outer
 
     return _init_minimal_kv_cache_for_profiling
+
+
+# ---- (a') allocation, vLLM with one backing buffer (allocate_kv_cache) -----------------------
+def allocate_kv_cache_views(
+    kv_cache_config: Any,
+    device: Any,
+    layout: Any,
+    kernel_block_sizes: Sequence[int] | None,
+    vllm_allocate: Callable[..., dict[str, torch.Tensor]],
+) -> dict[str, torch.Tensor]:
+    """kvcached's ``allocate_kv_cache`` (vLLM 0.29): vLLM's views, over virtual ranges.
+
+    ``vllm_allocate`` is vLLM's function; it runs on the ``meta`` device, so its views
+    carry the geometry and no memory. Only the null block's kv page is mapped on return.
+    """
+    from kvcached import _vmm
+    from kvcached.arena import make_budget
+    from kvcached.memory import tensor_view
+
+    num_blocks = int(kv_cache_config.num_blocks)
+    if num_blocks <= 0:
+        raise IntegrationError(f"KV cache config has num_blocks={num_blocks}")
+    target = _device_string(torch.device(device))
+    shapes = vllm_allocate(kv_cache_config, torch.device("meta"), layout, kernel_block_sizes)
+    if not shapes:
+        return {}  # attention-free model: vLLM allocates nothing either
+    regions = plan_regions(shapes, num_blocks)
+    config = KvcachedConfig.resolve()
+    geometry = _plan_geometry([r.stride for r in regions], num_blocks, config.page_size, target)
+    budget = make_budget(config)
+    ranges = []
+    strides: dict[int, int] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        for region, reserved in zip(regions, geometry.reserved_bytes, strict=True):
+            size = num_blocks * region.stride  # the block rows; reserved covers whole kv pages
+            vrange = _vmm.VirtualRange(target, max(reserved, size), config.page_size, budget)
+            ranges.append(vrange)
+            raw = tensor_view(vrange, 0, size, dtype=torch.int8)
+            strides[int(vrange.address)] = region.stride
+            for name in region.layers:
+                like = shapes[name]
+                tensors[name] = rebase(raw, like, int(like.storage_offset()) * like.element_size() - region.start)
+        pending: list[tuple[torch.Tensor, BytePageMeta]] = []
+        for name, t in tensors.items():  # every 0.29 view is [B, H, N, C]: blocks are dimension 0
+            try:
+                meta = describe_block_view(t, num_blocks, block_dim=0)
+            except CopyValidationError as exc:
+                raise IntegrationError(f"layer {name}: cannot describe its KV view: {exc}") from exc
+            _check_block_major(name, meta, strides[meta.backing_id])
+            pending.append((t, meta))
+        space = _space.KvSpace(geometry, tuple(ranges), premapped=frozenset({NULL_BLOCK_PAGE}))
+        space.page_space().map_page(NULL_BLOCK_PAGE)  # warm-up may read block 0 (see above)
+    except BaseException:
+        for vrange in ranges:  # nothing stays mapped; the VA goes with the views
+            vrange.close()
+        raise
+    for t, meta in pending:  # all or nothing: metadata only once every view checked out
+        attach_meta(t, meta)
+    _space.publish(space)
+    with _lock:
+        _state.backing_strides = strides
+    return tensors
+
+
+def _wrap_allocate_views(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def allocate_kv_cache(
+        kv_cache_config: Any, device: Any, layout: Any, kernel_block_sizes: list[int] | None = None
+    ) -> dict[str, torch.Tensor]:
+        if not _state.enabled or getattr(_profiling, "active", False):
+            return original(kv_cache_config, device, layout, kernel_block_sizes)
+        return allocate_kv_cache_views(kv_cache_config, device, layout, kernel_block_sizes, original)
+
+    return allocate_kv_cache
 
 
 # ---- (b) metadata on views -----------------------------------------------------------------
@@ -473,27 +577,35 @@ def _memory_plan() -> list[tuple[Any, str, Any]]:
     return plan
 
 
+def _vllm_helper(module: Any, name: str, utils: Any) -> Callable[..., Any]:
+    """``module.name``, which must still be the helper of that name in ``vllm.v1.worker.utils``."""
+    helper = require_own(module, name)
+    if helper is not getattr(utils, name, None):
+        raise IntegrationError(
+            f"{module.__name__}.{name} is not vLLM's helper; another plugin already replaced it"
+        )
+    return helper
+
+
 def _plan(caps: Capabilities) -> list[tuple[Any, str, Any]]:
     """(owner, attribute, replacement) for every seam, after checking vLLM's shape."""
-    if caps.allocate_kv_cache:
-        raise IntegrationError(
-            f"vLLM {caps.version} allocates KV tensors in utils.allocate_kv_cache; kvcached's worker "
-            "seams support Model Runner V1 of vLLM 0.26-0.28 only"
-        )
     if not caps.logical_block_copy:
         raise IntegrationError(f"vLLM {caps.version} has no logical block copy helper")
     from vllm.v1.worker import gpu_model_runner, utils
 
     runner = gpu_model_runner.GPUModelRunner
-    copy_original = require_own(gpu_model_runner, "copy_kv_cache_blocks_inplace")
-    if copy_original is not utils.copy_kv_cache_blocks_inplace:
-        raise IntegrationError(
-            "vllm.v1.worker.gpu_model_runner.copy_kv_cache_blocks_inplace is not vLLM's helper; "
-            "another plugin already replaced it"
-        )
+    copy_original = _vllm_helper(gpu_model_runner, "copy_kv_cache_blocks_inplace", utils)
+    allocation: list[tuple[Any, str, Any]]
+    if caps.allocate_kv_cache:
+        allocation = [(gpu_model_runner, "allocate_kv_cache",
+                       _wrap_allocate_views(_vllm_helper(gpu_model_runner, "allocate_kv_cache", utils)))]
+    else:
+        allocation = [
+            (runner, "_allocate_kv_cache_tensors", _wrap_allocate(require_own(runner, "_allocate_kv_cache_tensors"))),
+            (runner, "_reshape_kv_cache_tensors", _wrap_reshape(require_own(runner, "_reshape_kv_cache_tensors"))),
+        ]
     return [
-        (runner, "_allocate_kv_cache_tensors", _wrap_allocate(require_own(runner, "_allocate_kv_cache_tensors"))),
-        (runner, "_reshape_kv_cache_tensors", _wrap_reshape(require_own(runner, "_reshape_kv_cache_tensors"))),
+        *allocation,
         (
             runner,
             "_init_minimal_kv_cache_for_profiling",
