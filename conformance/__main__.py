@@ -104,12 +104,20 @@ def select_cases(args: argparse.Namespace) -> list[C.Case]:
     matrix = C.quick_matrix() if args.quick else C.default_matrix()
     if args.no_controls:
         matrix = [c for c in matrix if not c.is_control]
+    if not args.archetypes:  # the default matrix leaves out what cannot run here, and says so
+        skipped = {a.name: why for a in C.ARCHETYPES.values() if (why := C.unavailable_here(a))}
+        for name, why in skipped.items():
+            print(f"conformance: archetype {name} left out: {why}", file=sys.stderr)
+        matrix = [c for c in matrix if c.archetype.name not in skipped]
     return C.select(matrix, args.archetypes, args.schedulers, args.faults, args.patterns)
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
     if args.archetypes and (bad := set(args.archetypes) - set(C.ARCHETYPES)):
         return f"unknown archetype(s): {sorted(bad)}"
+    for name in args.archetypes or ():
+        if (why := C.unavailable_here(C.ARCHETYPES[name])) is not None:
+            return f"archetype {name} cannot run here: {why}"
     if args.schedulers and (bad := set(args.schedulers) - {"sync", "async"}):
         return f"unknown scheduler(s): {sorted(bad)}"
     if args.faults and (bad := set(args.faults) - set(C.FAULT_PLANS)):

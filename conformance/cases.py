@@ -118,6 +118,7 @@ class Archetype:
     engine_kwargs: tuple[tuple[str, Any], ...] = ()
     partial_hits: bool = False
     slow: bool = False  # GDN kernels: a few seconds per pass on 2 cores
+    needs_cuda: bool = False  # runs only with a CUDA device (and a CUDA build of vLLM)
     description: str = ""
 
     @property
@@ -164,8 +165,27 @@ ARCHETYPES: dict[str, Archetype] = {
             slow=True,
             description="Qwen3-Next (3 GDN + 1 attention, MoE), bf16, block enlarged to 528, hash 16",
         ),
+        Archetype(
+            "qwen3_5",
+            "hybrid",
+            (("prefix_match_unit", 16), ("enforce_eager", True), ("attention_backend", "TRITON_ATTN")),
+            partial_hits=True,
+            needs_cuda=True,
+            description="Qwen3.5 text (3 GDN + 1 attention), fp16, eager, Triton attention, hash 16: "
+            "the spec's serving-probe model (CUDA only)",
+        ),
     )
 }
+
+
+def unavailable_here(archetype: Archetype) -> str | None:
+    """Why ``archetype`` cannot run on this machine, or None when it can."""
+    if archetype.needs_cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "needs a CUDA device and a CUDA build of vLLM (torch sees no CUDA device here)"
+    return None
 
 
 @dataclass(frozen=True)

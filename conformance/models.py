@@ -186,6 +186,19 @@ MODEL_SPECS: dict[str, ModelSpec] = {
             **_ATTN,
             **_LINEAR_ATTN,
         ),
+        # The spec's serving-probe model: Qwen3.5 text (gated DeltaNet + full attention,
+        # dense MLP), FP16. vLLM's Qwen3.5 module imports its vision sibling, which needs
+        # torchvision, so it runs where a CUDA vLLM is installed (see Archetype.needs_cuda).
+        _spec(
+            "qwen3_5",
+            "Qwen3_5TextConfig",
+            "Qwen3_5ForCausalLM",
+            dtype="float16",
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            **_ATTN,
+            **_LINEAR_ATTN,
+        ),
     )
 }
 

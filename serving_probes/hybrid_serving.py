@@ -1,15 +1,18 @@
-"""The spec's hybrid serving probe: random-weight Qwen3.5-style attention/GDN model, FP16, TP=1.
+"""The spec's hybrid serving probe: random-weight Qwen3.5 attention/GDN model, FP16, TP=1.
 
-It needs a CUDA build of vLLM 0.28 (``pip install vllm==0.28.0`` on a CUDA 12.9+/13 host)
-with Model Runner V1 (``VLLM_USE_V2_MODEL_RUNNER=0``), plus transformers with the
-``qwen3_5_text`` config, and a GPU. Where any of these is missing it reports ``skipped``
-with the reason instead of failing.
+It runs the conformance harness on its ``qwen3_5`` archetype: a tiny random-weight
+``Qwen3_5ForCausalLM`` (3 gated-DeltaNet layers + 1 full-attention layer, FP16), TP=1,
+Model Runner V1, eager execution, Triton attention, hash granularity 16, text only; native
+and kvcached engines each in their own process, sync and async scheduling, boundary prompt
+lengths derived from the engine's real block size (the spec's 783/784/785 for its
+784-token block), repeated and partial prefixes, and the CoW-admission fault plan; token-ID
+parity with the harness's negative controls.
 
-When it can run, it runs the conformance harness (native and kvcached engines, each in its
-own process) on the hybrid attention/GDN archetype, sync and async scheduling, with the
-harness's geometry-derived boundary lengths and repeated/partial prefixes, and reports the
-harness's verdict. It has not been run: no machine available here has a CUDA build of
-vLLM, and the harness's engine arguments were tuned on CPU.
+It needs: a CUDA device; a CUDA build of vLLM 0.28 (``pip install vllm==0.28.0``; the
+harness sets ``VLLM_USE_V2_MODEL_RUNNER=0``); torchvision (vLLM's Qwen3.5 module imports
+its vision sibling even for text); transformers with ``Qwen3_5TextConfig``. Where any is
+missing it reports ``skipped`` with the reason instead of failing. It has not run: the
+machines available here have either no GPU or no vLLM.
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ def requirements_missing() -> str | None:
 
     if "cpu" in getattr(vllm, "__version__", ""):
         return f"vLLM {vllm.__version__} is a CPU build; the probe needs the CUDA build"
+    if importlib.util.find_spec("torchvision") is None:
+        return "torchvision is not installed (vLLM's Qwen3.5 module imports it)"
+    import transformers
+
+    if not hasattr(transformers, "Qwen3_5TextConfig"):
+        return f"transformers {transformers.__version__} has no Qwen3_5TextConfig"
     if importlib.util.find_spec("conformance") is None:
         return "the conformance package is not importable"
     return None
@@ -50,7 +59,7 @@ def run(reports_dir: str = "reports/gpu/serving") -> ServingResult:
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "conformance", "--archetypes", "qwen3_next", "--schedulers", "sync,async",
+    cmd = [sys.executable, "-m", "conformance", "--archetypes", "qwen3_5", "--schedulers", "sync,async",
            "--reports-dir", reports_dir, "--run-id", "hybrid-serving"]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     status = "ran" if proc.returncode == 0 else "failed"

@@ -92,3 +92,29 @@ def test_device_oom_recognised_in_both_torch_shapes() -> None:
     assert copy_matrix._is_device_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate"))
     assert copy_matrix._is_device_oom(RuntimeError("CUDA error: out of memory"))
     assert not copy_matrix._is_device_oom(RuntimeError("CUDA error: an illegal memory access"))
+
+
+def test_hybrid_serving_probe_skips_here_with_the_reason() -> None:
+    from serving_probes.hybrid_serving import requirements_missing, run
+
+    reason = requirements_missing()
+    assert reason is not None  # no CUDA vLLM on this machine
+    result = run()
+    assert (result.status, result.reason) == ("skipped", reason)
+
+
+def test_the_serving_archetype_is_left_out_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from conformance import cases as C
+    from conformance.__main__ import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine can run the CUDA-only archetype")
+    assert C.unavailable_here(C.ARCHETYPES["qwen3_5"]) is not None
+    assert main(["--archetypes", "qwen3_5", "--list"]) == 2
+    assert "archetype qwen3_5 cannot run here: needs a CUDA device" in capsys.readouterr().err
+    assert main(["--list"]) == 0
+    out, err = capsys.readouterr()
+    assert "qwen3_5" not in out and "archetype qwen3_5 left out" in err
+    assert any(line.startswith("qwen3_next-") for line in out.splitlines())
