@@ -467,10 +467,11 @@ def compare_results(
                 problems.append("the seam never saw the partial_prefix_hit trigger")
     if case.fault.physical_budget and case.control is Control.NONE:
         stats_end = other.get("kvcached_stats_end")
+        misses = sum(int(s.get("admission_misses", 0)) for s in stats_end.values()) if stats_end else None
         refusals = sum(int(s.get("map_failures", 0)) for s in stats_end.values()) if stats_end else None
         row.injected_failures_fired = (
-            f"budget: {refusals} map refusals, {row.preemptions_other} preemptions"
-            if refusals is not None
+            f"budget: {misses} admission misses, {refusals} map refusals, {row.preemptions_other} preemptions"
+            if stats_end
             else f"budget: {row.preemptions_other} preemptions"
         )
         if row.preemptions_other <= 0:

@@ -18,9 +18,11 @@ STAT_FIELDS = (
     "reserved_idle_bytes",
     "live_blocks",
     "capacity_blocks",
+    "kv_page_bytes",
     "maps",
     "unmaps",
     "map_failures",
+    "admission_misses",
 )
 
 

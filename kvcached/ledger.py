@@ -49,6 +49,7 @@ class BlockLedger:
             for p in range(self.num_pages)
         ]
         self.num_held = 0
+        self._admission_misses = 0
         pinned = sorted(set(pinned))
         if pinned:
             self.hold(pinned, wait=True)
@@ -174,10 +175,16 @@ class BlockLedger:
             reserved_idle_bytes=c.reserve_pages * page_bytes,
             live_blocks=self.num_held,
             capacity_blocks=self.num_blocks,
+            kv_page_bytes=page_bytes,
             maps=c.maps,
             unmaps=c.unmaps,
             map_failures=c.map_failures,
+            admission_misses=self._admission_misses,
         )
+
+    def note_admission_miss(self) -> None:
+        """Count an admission the caller had to refuse for lack of backed blocks (stats only)."""
+        self._admission_misses += 1
 
     def check(self) -> None:
         """Verify internal invariants (tests and debug builds call this)."""

@@ -12,16 +12,24 @@ from typing import Protocol
 @dataclass(frozen=True, slots=True)
 class PoolStats:
     """One pool at one instant. Invariant: ``reserved_idle_bytes <= mapped_bytes <=
-    peak_mapped_bytes``; ``live_blocks <= capacity_blocks``."""
+    peak_mapped_bytes``, all multiples of ``kv_page_bytes``; ``live_blocks <= capacity_blocks``.
+
+    ``map_failures`` counts page-map batches the backend refused; ``admission_misses``
+    counts admission checks the pool had to answer with fewer blocks than asked because
+    memory was short or a fault was injected (each is a scheduling miss for the caller,
+    and a retried request counts again).
+    """
 
     mapped_bytes: int
     peak_mapped_bytes: int
     reserved_idle_bytes: int
     live_blocks: int
     capacity_blocks: int
+    kv_page_bytes: int
     maps: int
     unmaps: int
     map_failures: int
+    admission_misses: int
 
 
 class StatsSource(Protocol):
@@ -47,7 +55,7 @@ def unregister(key: str) -> None:
 
 
 def stats() -> dict[str, PoolStats]:
-    """Per pool: mapped bytes, peak mapped bytes, reserved-but-idle bytes, live blocks, capacity."""
+    """Per pool: mapped, peak and reserved-but-idle bytes, live blocks, capacity, page size, counters."""
     with _lock:
         items = list(_sources.items())
     return {name: source.pool_stats() for name, source in items}

@@ -109,12 +109,23 @@ def test_exhaustion_is_a_miss_that_leaks_nothing_and_recovers(engines) -> None:
     assert eng.admit(first) is not None
     second = make_request(list(range(1000, 1020)), BLOCK, max_tokens=16)
     before = eng.snapshot()
+    assert eng.pool.ledger.pool_stats().admission_misses == 0
     assert eng.admit(second) is None  # native would admit: 24 logical blocks are free
     assert eng.snapshot() == before
+    assert eng.pool.ledger.pool_stats().admission_misses == 1  # the miss is counted
     eng.pool.check()
     eng.budget.limit = 4 * PAGE  # another tenant gave memory back
     assert eng.admit(second) is not None
+    stats = eng.pool.ledger.pool_stats()
+    assert stats.admission_misses == 1 and stats.kv_page_bytes == PAGE
     eng.pool.check()
+
+
+def test_a_check_beyond_the_native_free_count_is_not_kvcacheds_miss(engines) -> None:
+    eng = engines(budget_pages=8)
+    too_long = make_request(list(range(40 * BLOCK)), BLOCK, max_tokens=16)  # 40 blocks > 32 logical
+    assert eng.admit(too_long) is None  # native refuses this too
+    assert eng.pool.ledger.pool_stats().admission_misses == 0
 
 
 def test_idle_cache_is_reclaimed_before_admission_fails(engines) -> None:
@@ -137,6 +148,7 @@ def test_injected_admission_failure_is_a_miss_then_succeeds(engines) -> None:
     before = eng.snapshot()
     assert eng.admit(request) is None
     assert eng.snapshot() == before and faults.fired("admission") == 1
+    assert eng.pool.ledger.pool_stats().admission_misses == 1
     assert eng.admit(request) is not None
 
 

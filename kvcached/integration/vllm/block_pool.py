@@ -288,6 +288,7 @@ class ElasticBlockPool(BlockPool):
                 # Injected failure: nothing is mapped or reclaimed, and the count is held
                 # below the demand so this attempt is a scheduling miss
                 # (available = count - reserved < demand).
+                self.ledger.note_admission_miss()
                 return min(idle, demand.blocks + reserved - 1)
         # The watermark is headroom vLLM applies to waiting requests only; mapping for it
         # anyway keeps this side simple and costs at most `watermark` idle blocks.
@@ -297,7 +298,10 @@ class ElasticBlockPool(BlockPool):
             # Memory is short: make idle cached blocks CLEAN (and backed) rather than fail.
             self._clean(self._victims(target - backed, exclude=demand.protected))
             backed = self.ledger.backed_free_count()
-        return self._backable(native, backed)
+        count = self._backable(native, backed)
+        if count < demand.blocks + reserved:  # native had room: memory made this a miss
+            self.ledger.note_admission_miss()
+        return count
 
     # ---- allocation --------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
