@@ -254,44 +254,76 @@ def _plan_geometry(strides: Sequence[int], num_blocks: int, page_size: int, devi
         ) from exc
 
 
+@dataclass
+class _Backings:
+    """Virtual ranges for the KV backings of one engine, before they are published."""
+
+    geometry: _space.Geometry
+    ranges: list[Any]  # kvcached._vmm.VirtualRange, one per backing
+    rows: list[torch.Tensor]  # int8 view of each backing's ``num_blocks`` block rows
+    strides: dict[int, int]  # range base address -> block stride
+
+    def close(self) -> None:
+        for vrange in self.ranges:  # nothing stays mapped; the VA goes with the last view
+            vrange.close()
+
+
+def _open_backings(block_strides: Sequence[int], row_bytes: Sequence[int], num_blocks: int,
+                   device: str) -> _Backings:
+    """One virtual range per backing, nothing mapped yet; all or nothing."""
+    from kvcached import _vmm
+    from kvcached.arena import make_budget
+    from kvcached.memory import tensor_view
+
+    config = KvcachedConfig.resolve()
+    geometry = _plan_geometry(block_strides, num_blocks, config.page_size, device)
+    budget = make_budget(config)
+    backings = _Backings(geometry, [], [], {})
+    try:
+        for stride, size, reserved in zip(block_strides, row_bytes, geometry.reserved_bytes, strict=True):
+            # reserved = whole kv pages covering num_blocks * stride >= size
+            vrange = _vmm.VirtualRange(device, max(reserved, size), config.page_size, budget)
+            backings.ranges.append(vrange)
+            backings.rows.append(tensor_view(vrange, 0, size, dtype=torch.int8))
+            backings.strides[int(vrange.address)] = stride
+    except BaseException:
+        backings.close()
+        raise
+    return backings
+
+
+def _publish(backings: _Backings) -> None:
+    """Map the null block's page and hand the space to the scheduler's pool (closes on failure)."""
+    try:
+        space = _space.KvSpace(backings.geometry, tuple(backings.ranges), premapped=frozenset({NULL_BLOCK_PAGE}))
+        # Warm-up may read block 0 before the scheduler's pool exists; the pool adopts the page.
+        space.page_space().map_page(NULL_BLOCK_PAGE)
+    except BaseException:
+        backings.close()
+        raise
+    _space.publish(space)
+    with _lock:
+        _state.backing_strides = backings.strides
+
+
 def allocate_kv_cache_tensors(runner: Any, kv_cache_config: Any) -> dict[str, torch.Tensor]:
     """kvcached's ``_allocate_kv_cache_tensors``: int8 tensors over virtual ranges.
 
     Only the null block's kv page is mapped on return (see the module docstring).
     """
-    from kvcached import _vmm
-    from kvcached.arena import make_budget
-    from kvcached.memory import tensor_view
-
     plans = _plan_backings(kv_cache_config)
-    config = KvcachedConfig.resolve()
-    num_blocks = int(kv_cache_config.num_blocks)
     device = _device_string(torch.device(runner.device))
-    geometry = _plan_geometry([p.stride for p in plans], num_blocks, config.page_size, device)
-    budget = make_budget(config)
-    ranges = []
-    tensors: dict[str, torch.Tensor] = {}
-    strides: dict[int, int] = {}
-    for plan, reserved in zip(plans, geometry.reserved_bytes, strict=True):
-        # reserved = whole kv pages covering num_blocks * stride >= plan.size
-        vrange = _vmm.VirtualRange(device, max(reserved, plan.size), config.page_size, budget)
-        tensor = tensor_view(vrange, 0, plan.size, dtype=torch.int8)
-        ranges.append(vrange)
-        strides[int(vrange.address)] = plan.stride
-        for name in plan.layers:
-            tensors[name] = tensor
+    backings = _open_backings([p.stride for p in plans], [p.size for p in plans],
+                              int(kv_cache_config.num_blocks), device)
+    tensors = {name: rows for plan, rows in zip(plans, backings.rows, strict=True) for name in plan.layers}
     expected = _expected_layers(runner, kv_cache_config)
     if expected != set(tensors):
+        backings.close()
         raise IntegrationError(
             "KV tensors do not cover the KV cache groups' layers: missing "
             f"{sorted(expected - set(tensors))}, unexpected {sorted(set(tensors) - expected)}"
         )
-    space = _space.KvSpace(geometry, tuple(ranges), premapped=frozenset({NULL_BLOCK_PAGE}))
-    # Warm-up may read block 0 before the scheduler's pool exists; the pool adopts the page.
-    space.page_space().map_page(NULL_BLOCK_PAGE)
-    _space.publish(space)
-    with _lock:
-        _state.backing_strides = strides
+    _publish(backings)
     return tensors
 
 
@@ -331,10 +363,6 @@ def allocate_kv_cache_views(
     ``vllm_allocate`` is vLLM's function; it runs on the ``meta`` device, so its views
     carry the geometry and no memory. Only the null block's kv page is mapped on return.
     """
-    from kvcached import _vmm
-    from kvcached.arena import make_budget
-    from kvcached.memory import tensor_view
-
     num_blocks = int(kv_cache_config.num_blocks)
     if num_blocks <= 0:
         raise IntegrationError(f"KV cache config has num_blocks={num_blocks}")
@@ -343,41 +371,28 @@ def allocate_kv_cache_views(
     if not shapes:
         return {}  # attention-free model: vLLM allocates nothing either
     regions = plan_regions(shapes, num_blocks)
-    config = KvcachedConfig.resolve()
-    geometry = _plan_geometry([r.stride for r in regions], num_blocks, config.page_size, target)
-    budget = make_budget(config)
-    ranges = []
-    strides: dict[int, int] = {}
-    tensors: dict[str, torch.Tensor] = {}
+    backings = _open_backings([r.stride for r in regions], [num_blocks * r.stride for r in regions],
+                              num_blocks, target)
     try:
-        for region, reserved in zip(regions, geometry.reserved_bytes, strict=True):
-            size = num_blocks * region.stride  # the block rows; reserved covers whole kv pages
-            vrange = _vmm.VirtualRange(target, max(reserved, size), config.page_size, budget)
-            ranges.append(vrange)
-            raw = tensor_view(vrange, 0, size, dtype=torch.int8)
-            strides[int(vrange.address)] = region.stride
+        tensors: dict[str, torch.Tensor] = {}
+        for region, rows in zip(regions, backings.rows, strict=True):
             for name in region.layers:
                 like = shapes[name]
-                tensors[name] = rebase(raw, like, int(like.storage_offset()) * like.element_size() - region.start)
+                tensors[name] = rebase(rows, like, int(like.storage_offset()) * like.element_size() - region.start)
         pending: list[tuple[torch.Tensor, BytePageMeta]] = []
         for name, t in tensors.items():  # every 0.29 view is [B, H, N, C]: blocks are dimension 0
             try:
                 meta = describe_block_view(t, num_blocks, block_dim=0)
             except CopyValidationError as exc:
                 raise IntegrationError(f"layer {name}: cannot describe its KV view: {exc}") from exc
-            _check_block_major(name, meta, strides[meta.backing_id])
+            _check_block_major(name, meta, backings.strides[meta.backing_id])
             pending.append((t, meta))
-        space = _space.KvSpace(geometry, tuple(ranges), premapped=frozenset({NULL_BLOCK_PAGE}))
-        space.page_space().map_page(NULL_BLOCK_PAGE)  # warm-up may read block 0 (see above)
     except BaseException:
-        for vrange in ranges:  # nothing stays mapped; the VA goes with the views
-            vrange.close()
+        backings.close()
         raise
     for t, meta in pending:  # all or nothing: metadata only once every view checked out
         attach_meta(t, meta)
-    _space.publish(space)
-    with _lock:
-        _state.backing_strides = strides
+    _publish(backings)
     return tensors
 
 
