@@ -126,8 +126,12 @@ def conformance(session: nox.Session) -> None:
 
 @nox.session(name="gpu-probes", venv_backend="none")
 def gpu_probes(session: nox.Session) -> None:
-    """Run on a CUDA machine with torch installed: builds kvcached in place, runs the probes."""
+    """Run on a CUDA machine with torch installed: builds kvcached in place, runs the probes.
+
+    The install is editable: the probes run from the repository root, where a plain
+    install would be shadowed by the source tree (which has no built extension).
+    """
     python = Path(os.environ.get("KVCACHED_PYTHON", sys.executable))
-    session.run(str(python), "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", ".",
+    session.run(str(python), "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "-e", ".",
                 external=True)
     session.run(str(python), "-m", "serving_probes", *session.posargs, external=True)
