@@ -108,7 +108,10 @@ FAULT_PLANS: dict[str, FaultPlan] = {p.name: p for p in (NO_FAULTS, COW_ADMISSIO
 class Archetype:
     """A tiny model plus the engine arguments that make it run on CPU.
 
-    ``engine_kwargs`` are passed to both engines unchanged. ``partial_hits`` says whether
+    ``engine_kwargs`` are passed to both engines unchanged, as are the settings the installed
+    vLLM series' CPU kernels need on top of them (`conformance.vllm_series`, applied by the
+    engine worker: nothing on 0.28; on 0.29 llama's block 16 becomes 32 and the fp32 Mamba2-mixer
+    models run in bf16). The descriptions below name the 0.28 settings. ``partial_hits`` says whether
     the hash granularity is finer than the block (hybrids with ``prefix_match_unit``), which
     is what makes partial-prefix hits and copy-on-write possible at all.
     """

@@ -128,7 +128,11 @@ class CaseRunner:
             "async_scheduling": case.scheduling is Scheduling.ASYNC,
         }
         kw.update(dict(case.archetype.engine_kwargs))
-        return kw
+        # What this vLLM series' CPU kernels need (nothing on 0.28; see vllm_series): the same
+        # on every side, and recorded with the case's engine arguments.
+        from conformance.vllm_series import adjusted
+
+        return adjusted(case.archetype.name, kw)
 
     def _build(self, case: Case, kwargs: dict[str, Any]) -> Any:
         from vllm import LLM

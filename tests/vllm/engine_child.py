@@ -82,8 +82,15 @@ def shared_result(tmp_path_factory: pytest.TempPathFactory, name: str,
 
 # ---- child side ----------------------------------------------------------------------------
 def engine_kwargs(model: str, **overrides: Any) -> dict[str, Any]:
-    """Engine arguments shared by every case (tokenizer-free, eager, fp32, deterministic)."""
+    """Engine arguments shared by every case (tokenizer-free, eager, fp32, deterministic).
+
+    Last, the settings this vLLM series' CPU kernels need are applied
+    (`conformance.vllm_series.engine_overrides`; nothing changes on 0.28): e.g. on 0.29
+    llama's block 16 becomes 32 and Mamba2-mixer models run in bf16. Both sides of a
+    comparison run in the same vLLM, so they get the same settings.
+    """
     from conformance.models import MODEL_SPECS, ensure_model
+    from conformance.vllm_series import adjusted
 
     kwargs: dict[str, Any] = {
         "model": str(ensure_model(MODEL_SPECS[model])),
@@ -95,7 +102,7 @@ def engine_kwargs(model: str, **overrides: Any) -> dict[str, Any]:
         "kv_cache_memory_bytes": 64 << 20,
     }
     kwargs.update(overrides)
-    return kwargs
+    return adjusted(model, kwargs)
 
 
 def build_llm(kwargs: dict[str, Any], *, want_async: bool) -> Any:

