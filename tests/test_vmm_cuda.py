@@ -58,6 +58,20 @@ def test_device_queries(gran: int) -> None:
         _vmm.cuda_mem_info(10_000)
 
 
+def test_driver_floor_times_every_call_and_gives_everything_back(gran: int) -> None:
+    free_before = settled_free()
+    calls = _vmm.cuda_driver_floor(0, gran, 8)
+    assert set(calls) == {"create_us", "map_us", "set_access_us", "unmap_us", "release_us"}
+    assert all(v > 0 for v in calls.values())
+    assert settled_free() == free_before
+    with pytest.raises(ConfigError, match="pages must be positive"):
+        _vmm.cuda_driver_floor(0, gran, 0)
+    with pytest.raises(ConfigError, match="not a multiple of the device granularity"):
+        _vmm.cuda_driver_floor(0, gran + 4096, 1)
+    with pytest.raises(ConfigError, match="out of range"):
+        _vmm.cuda_driver_floor(99, gran, 1)
+
+
 def test_page_size_must_match_granularity(gran: int) -> None:
     if gran <= 4096:
         pytest.skip("granularity too small to make a misaligned page size")
