@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from worker_env import worker_installed
 
 from kvcached import space
 from kvcached.copy import copy_stats, reset_copy_stats
@@ -52,14 +53,8 @@ INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 @pytest.fixture(autouse=True)
 def installed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("KVCACHED_ENABLE", "1")
-    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(PAGE_SIZE))
-    for var in ("ENABLE_KVCACHED", "KVCACHED_BUDGET_BYTES", "KVCACHED_BUDGET_PATH", "KVCACHED_PAGE_SIZE_MB"):
-        monkeypatch.delenv(var, raising=False)
-    worker.install(CAPS)
-    yield
-    worker.uninstall()
-    space.withdraw()
+    with worker_installed(monkeypatch, PAGE_SIZE):
+        yield
 
 
 def tensor(spec: Any, layers: list[str], layout: KVCacheLayout, size: int, *, block_stride: int | None = None,

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvcached.integration.vllm.capabilities import capabilities_for, detect
+from kvcached.integration.vllm.capabilities import detect
 
 if detect().allocate_kv_cache:
     pytest.skip("this vLLM allocates KV tensors through allocate_kv_cache; its runner has no "
@@ -36,6 +36,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.worker import gpu_model_runner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from worker_env import worker_installed
 
 from kvcached import space
 from kvcached.copy import copy_stats, reset_copy_stats
@@ -55,14 +56,8 @@ STATES = {"shapes": ((2, 3), (3, 5)), "dtypes": (torch.float16, torch.float32)}
 
 @pytest.fixture(autouse=True)
 def installed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("KVCACHED_ENABLE", "1")
-    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(PAGE_SIZE))
-    for var in ("ENABLE_KVCACHED", "KVCACHED_BUDGET_BYTES", "KVCACHED_BUDGET_PATH", "KVCACHED_PAGE_SIZE_MB"):
-        monkeypatch.delenv(var, raising=False)
-    worker.install(capabilities_for("0.28.0"))
-    yield
-    worker.uninstall()
-    space.withdraw()
+    with worker_installed(monkeypatch, PAGE_SIZE):
+        yield
 
 
 def make_runner(config: KVCacheConfig, groups: list[tuple[Any, type, list[str]]]) -> GPUModelRunner:

@@ -1,0 +1,27 @@
+"""The worker seams installed for one test, with kvcached's environment pinned."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+
+from kvcached import space
+from kvcached.integration.vllm import worker
+from kvcached.integration.vllm.capabilities import detect
+
+
+@contextlib.contextmanager
+def worker_installed(monkeypatch: pytest.MonkeyPatch, page_size: int) -> Iterator[None]:
+    """kvcached enabled with ``page_size``, no budget; the installed vLLM's seams; all undone after."""
+    monkeypatch.setenv("KVCACHED_ENABLE", "1")
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(page_size))
+    for var in ("ENABLE_KVCACHED", "KVCACHED_BUDGET_BYTES", "KVCACHED_BUDGET_PATH", "KVCACHED_PAGE_SIZE_MB"):
+        monkeypatch.delenv(var, raising=False)
+    worker.install(detect())
+    try:
+        yield
+    finally:
+        worker.uninstall()
+        space.withdraw()
