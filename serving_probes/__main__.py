@@ -98,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     free_start, total = torch.cuda.mem_get_info()
     failed = False
-    results: dict[str, object] = {"environment": _environment()}
+    # The environment table is for the report; a --no-report child (the sanitizer's) skips
+    # it, so nothing it runs (nvidia-smi, compute-sanitizer --version) runs under memcheck.
+    results: dict[str, object] = {} if args.no_report else {"environment": _environment()}
 
     if "copy" in args.only:
         from serving_probes.copy_matrix import all_cases, run_case
