@@ -148,8 +148,7 @@ def run_case(case: CopyCase, num_blocks: int = 600, device: str = "cuda:0", seed
 
         rejected, unchanged = False, True
         if pressure:
-            rejected, unchanged, hog = _pressure(arena, num_blocks, device)
-            del hog
+            rejected, unchanged = _pressure(arena, num_blocks, device)
         torch.cuda.empty_cache() if device.startswith("cuda") else None
         start = time.monotonic()
         failures_before = arena.pool.counters().map_failures
@@ -182,26 +181,32 @@ def _kernel_rows(blocks: list[int], ratio: int, device: str) -> torch.Tensor:
     return torch.tensor([b * ratio + k for b in blocks for k in range(ratio)], dtype=torch.int64, device=device)
 
 
-def _pressure(arena: ElasticArena, num_blocks: int, device: str) -> tuple[bool, bool, list[torch.Tensor]]:
-    """Fill the device with torch memory until kvcached's next map is refused."""
-    hog: list[torch.Tensor] = []
+def _pressure(arena: ElasticArena, num_blocks: int, device: str) -> tuple[bool, bool]:
+    """Fill the device with torch memory until kvcached's next map is refused; then free it.
+
+    Returns (refused by the driver, the refusal changed nothing). The filler is released
+    here, before returning, not left to the frame (see kvcached.copy on frames kept alive).
+    """
     if not device.startswith("cuda"):
-        return False, True, hog
-    chunk = 1 << 30
-    while chunk >= arena.pool.space.kv_page_bytes // 2:
-        try:
-            hog.append(torch.empty(chunk, dtype=torch.uint8, device=device))
-        except RuntimeError as e:
-            if not _is_device_oom(e):
-                raise
-            chunk //= 2
-    before = (set(arena.pool.mapped), arena.ledger.num_held)
+        return False, True
+    hog: list[torch.Tensor] = []
     try:
-        arena.ledger.allocate(num_blocks, wait=False)
-    except PhysicalMemoryExhausted:
-        after = (set(arena.pool.mapped), arena.ledger.num_held)
-        return True, after == before, hog
-    return False, True, hog
+        chunk = 1 << 30
+        while chunk >= arena.pool.space.kv_page_bytes // 2:
+            try:
+                hog.append(torch.empty(chunk, dtype=torch.uint8, device=device))
+            except RuntimeError as e:
+                if not _is_device_oom(e):
+                    raise
+                chunk //= 2
+        before = (set(arena.pool.mapped), arena.ledger.num_held)
+        try:
+            arena.ledger.allocate(num_blocks, wait=False)
+        except PhysicalMemoryExhausted:
+            return True, (set(arena.pool.mapped), arena.ledger.num_held) == before
+        return False, True
+    finally:
+        hog.clear()
 
 
 def _is_device_oom(e: RuntimeError) -> bool:
