@@ -299,8 +299,8 @@ class ElasticBlockPool(BlockPool):
             self._clean(self._victims(target - backed, exclude=demand.protected))
             backed = self.ledger.backed_free_count()
         count = self._backable(native, backed)
-        if count < demand.blocks + reserved:  # native had room: memory made this a miss
-            self.ledger.note_admission_miss()
+        if adm is not None and count < demand.blocks + reserved:
+            self.ledger.note_admission_miss()  # native had room: memory made this a miss
         return count
 
     # ---- allocation --------------------------------------------------------------------
