@@ -381,10 +381,7 @@ def allocate_kv_cache_views(
                 tensors[name] = rebase(rows, like, int(like.storage_offset()) * like.element_size() - region.start)
         pending: list[tuple[torch.Tensor, BytePageMeta]] = []
         for name, t in tensors.items():  # every 0.29 view is [B, H, N, C]: blocks are dimension 0
-            try:
-                meta = describe_block_view(t, num_blocks, block_dim=0)
-            except CopyValidationError as exc:
-                raise IntegrationError(f"layer {name}: cannot describe its KV view: {exc}") from exc
+            meta = _describe(name, t, num_blocks, 0)
             _check_block_major(name, meta, backings.strides[meta.backing_id])
             pending.append((t, meta))
     except BaseException:
@@ -433,6 +430,14 @@ def _layer_block_dims(runner: Any, kernel_block_sizes: Sequence[int]) -> tuple[d
     return dims, mamba
 
 
+def _describe(name: str, view: torch.Tensor, num_blocks: int, block_dim: int | None) -> BytePageMeta:
+    """`describe_block_view` for layer ``name``, failing as an `IntegrationError` that names it."""
+    try:
+        return describe_block_view(view, num_blocks, block_dim=block_dim)
+    except CopyValidationError as exc:
+        raise IntegrationError(f"layer {name}: cannot describe its KV view: {exc}") from exc
+
+
 def _check_block_major(name: str, meta: BytePageMeta, stride: int) -> None:
     """Block b of a view over a kvcached range must lie in bytes [b*stride, (b+1)*stride)."""
     end = meta.backing_offset + meta.segments[-1][0] + meta.segments[-1][1]
@@ -458,10 +463,7 @@ def annotate_runner_views(
             want = "one raw page tensor" if caps.raw_mamba_pages else "a list of state tensors"
             raise IntegrationError(f"Mamba layer {name}: vLLM {caps.version} should hold {want}")
         for t in entry if is_list else (entry,):
-            try:
-                meta = describe_block_view(t, num_blocks, block_dim=dims.get(name))
-            except CopyValidationError as exc:
-                raise IntegrationError(f"layer {name}: cannot describe its KV view: {exc}") from exc
+            meta = _describe(name, t, num_blocks, dims.get(name))
             stride = strides.get(meta.backing_id)
             if stride is not None:
                 _check_block_major(name, meta, stride)
