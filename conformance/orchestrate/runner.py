@@ -115,7 +115,7 @@ def run_child(
     timeout_s: float,
     on_line: Callable[[str], None],
 ) -> ChildOutcome:
-    """Start ``engine_worker`` on ``job``; relay its progress lines; enforce the timeout."""
+    """Start ``conformance.engine`` on ``job``; relay its progress lines; enforce the timeout."""
     job_dir.mkdir(parents=True, exist_ok=True)
     job_path = job_dir / f"{label}.job.json"
     job_path.write_text(json.dumps(job))
@@ -124,7 +124,7 @@ def run_child(
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "conformance.engine_worker", str(job_path), str(w_fd)],
+            [sys.executable, "-m", "conformance.engine", str(job_path), str(w_fd)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,

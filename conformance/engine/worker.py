@@ -1,6 +1,6 @@
 """The per-engine child process: builds engines in-process, runs cases, dumps results.
 
-Usage (by ``runner.py`` only): ``python -m conformance.engine_worker JOB.json PROGRESS_FD``.
+Usage (by ``runner.py`` only): ``python -m conformance.engine.worker JOB.json PROGRESS_FD``.
 
 One process serves one side (reference, candidate or control) of one archetype and runs
 its cases one after another, each on a fresh ``LLM`` that is shut down and dropped before
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conformance import kvcached_probe, overrides
+from conformance.engine import kvcached_probe, overrides
 from conformance.cases import Case, Control, Scheduling
 from conformance.faultplan import read_fired, read_triggers, write_plan
 from conformance.geometry import Geometry, prompt_lengths, read_geometry
@@ -261,7 +261,7 @@ class CaseRunner:
             llm = self._build(case, kwargs)
             res["t_engine_start"] = round(time.monotonic() - t_b, 3)
 
-            from conformance import probes
+            from conformance.engine import probes
 
             res["scheduler"] = probes.scheduler_that_ran(llm)
             geo = self._geometry(llm, knobs.page_size)
@@ -283,7 +283,7 @@ class CaseRunner:
             probe = probes.install_probe(llm, _memory_sampler(geo))
             seam = None
             if knobs.fault_seam == "harness-emulated" and knobs.plan_path is not None:
-                from conformance.emulated_faults import install_emulated_seam
+                from conformance.engine.emulated_faults import install_emulated_seam
 
                 seam = install_emulated_seam(llm, knobs.plan_path)
 
@@ -331,7 +331,7 @@ class CaseRunner:
         """KV snapshot, with the results written first so a crash while reading KV shows."""
         import numpy as np
 
-        from conformance.kvsnap import snapshot
+        from conformance.engine.kvsnap import snapshot
 
         res["kv_status"] = "pending"
         _write_json(out_json, res)
@@ -385,7 +385,7 @@ class CaseRunner:
         corrupted: list[int] = []
         for pi, prompts in enumerate(workload.passes):
             if pi == 1 and self.job.side == "control" and case.control is Control.NEG_KV:
-                from conformance.kvsnap import corrupt_prefix_blocks
+                from conformance.engine.kvsnap import corrupt_prefix_blocks
 
                 corrupted = corrupt_prefix_blocks(llm, workload.corrupt_prefix_tokens)
                 if not corrupted:
@@ -433,6 +433,3 @@ def main(argv: list[str]) -> int:
     progress.say("EXIT")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,113 @@
+"""The parity data the comparison produces and the reports render (parent process only).
+
+``ParityRow`` is one comparison (a case's candidate or control against the reference);
+``RequestParity`` is one request of it. Both are plain dataclasses so a report, a CSV and a
+test read the same fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class KvComparison:
+    compared: int = 0  # (hash key, layer) entries present in both engines and compared
+    identical: int = 0
+    only_reference: int = 0  # keys cached by one engine only (schedule/eviction dependent)
+    only_other: int = 0
+    not_comparable: int = 0  # recurrent states captured at different fill levels
+    variants: int = 0  # keys under which one engine holds blocks with different contents
+    max_abs_diff: float = 0.0
+    first_mismatch: str = ""
+
+
+@dataclass
+class LogprobComparison:
+    positions: int = 0
+    equal: bool = True
+    max_abs_diff: float = 0.0
+    topk_set_differs: int = 0
+
+
+@dataclass
+class RequestParity:
+    rid: str
+    label: str
+    pass_no: int
+    prompt_len: int
+    ref_tokens: int
+    other_tokens: int
+    exact: bool
+    first_divergence: int | None
+    ref_cached: int
+    other_cached: int
+    ref_complete: bool
+    other_complete: bool
+    logprobs_equal: bool
+    logprob_max_abs_diff: float
+    topk_set_differs: int = 0
+    native_history_dependent: bool = False
+
+
+@dataclass
+class ParityRow:
+    case_id: str
+    comparison: str  # "kvcached vs native" | "native vs native" | control name
+    archetype: str
+    scheduling: str
+    pattern: str
+    lengths: str
+    prefix_caching: bool
+    fault_plan: str
+    control: str
+    fault_seam: str
+    scheduler_reference: str
+    scheduler_other: str
+    async_scheduling_reference: bool | None
+    async_scheduling_other: bool | None
+    requests: int
+    complete_reference: int
+    complete_other: int
+    output_tokens_reference: int
+    output_tokens_other: int
+    expected_output_tokens: int
+    exact_matches: int
+    first_divergence: str
+    kv_blocks_compared: int
+    kv_blocks_identical: int
+    kv_only_reference: int
+    kv_only_other: int
+    kv_max_abs_diff: float
+    kv_key_variants: int
+    native_unstable_requests: int
+    logprobs_equal: bool
+    logprob_max_abs_diff: float
+    prefix_hit_tokens_reference: int
+    prefix_hit_tokens_other: int
+    partial_prefix_hits_other: int
+    cow_copies_reference: int
+    cow_copies_other: int
+    injected_failures_fired: str
+    injected_failures_expected: int
+    preemptions_reference: int
+    preemptions_other: int
+    peak_mapped_bytes_reference: int
+    peak_mapped_bytes_other: int
+    final_mapped_bytes_reference: int
+    final_mapped_bytes_other: int
+    same_schedule: bool
+    schedule_divergence_step: int | None
+    verdict: str
+    passed: bool
+    problems: list[str] = field(default_factory=list)
+    explanations: list[str] = field(default_factory=list)
+    wall_s_reference: float = 0.0
+    wall_s_other: float = 0.0
+
+    def to_record(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["problems"] = "; ".join(self.problems)
+        d["explanations"] = "; ".join(self.explanations)
+        return d
