@@ -20,10 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-WARMUP_WARNING_EXPLANATION = (
-    "vLLM's 'Chat template warmup failed ... skip_tokenizer_init' warning is suppressed in engine "
-    "processes: the harness is tokenizer-free by design (token-ID prompts), so that warmup cannot run."
-)
+from conformance.notes import WARMUP_WARNING_EXPLANATION  # noqa: F401  (re-exported)
 
 _state = {"force_async": False, "installed": False}
 
