@@ -15,7 +15,7 @@ from kvcached.faults import FaultInjector
 from kvcached.fence import StepFence
 from kvcached.ledger import BlockLedger
 from kvcached.pages import PagePool
-from kvcached.space import KvSpace, plan_geometry
+from kvcached.space import KvSpace
 from kvcached.stats import register, unregister
 
 
@@ -65,15 +65,3 @@ def make_budget(config: KvcachedConfig):  # -> kvcached._vmm.Budget | None
     limit = config.budget_bytes if config.budget_bytes is not None else 0
     return _vmm.Budget(limit, config.budget_path or "")
 
-
-def standalone_space(
-    num_blocks: int, block_stride: int, config: KvcachedConfig, *, device: str = "cpu", budget=None
-) -> KvSpace:
-    """A KV space with one backing of its own (for a scheduler with no worker in-process)."""
-    from kvcached import _vmm
-
-    geometry = plan_geometry([block_stride], num_blocks, config.page_size)
-    if budget is None:
-        budget = make_budget(config)
-    vrange = _vmm.VirtualRange(device, geometry.reserved_bytes[0], config.page_size, budget)
-    return KvSpace(geometry, (vrange,))

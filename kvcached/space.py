@@ -11,7 +11,7 @@ page must cover whole VMM pages in every backing, so it holds
 ``blocks_per_page * stride_r / page_size`` VMM pages of backing ``r``. No block ever
 straddles a kv page, and no VMM page is shared by two kv pages.
 
-TP > 1 (designed, not built): every rank reserves the same geometry (it is a pure
+TP > 1 (a design; kvcached runs at TP=1 today): every rank reserves the same geometry (it is a pure
 function of the KV config), and the scheduler sends the kv pages to map/unmap with each
 step through vLLM's own scheduler-to-worker channel, so ranks map identical pages before
 the step runs; a rank that fails reports it in its step output and the scheduler unmaps

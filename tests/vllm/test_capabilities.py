@@ -9,20 +9,13 @@ from pathlib import Path
 import pytest
 
 from kvcached.errors import IntegrationError
-from kvcached.integration.vllm.capabilities import Capabilities, FreeOrder, capabilities_for, detect, parse_series
+from kvcached.integration.vllm.capabilities import Capabilities, capabilities_for, detect, parse_series
 
 ROWS: dict[tuple[int, int], dict[str, object]] = {  # from the contract notes (0.27.0 == 0.27.1)
-    (0, 26): {"native_prefix_metadata": True, "logical_block_copy": True, "raw_mamba_pages": False,
-              "allocate_kv_cache": False, "is_block_writable": False, "free_order": FreeOrder.UNHASHED_FRONT},
-    (0, 27): {"native_prefix_metadata": True, "logical_block_copy": True, "raw_mamba_pages": True,
-              "allocate_kv_cache": False, "is_block_writable": False,
-              "free_order": FreeOrder.UNHASHED_FRONT_IF_CACHING},
-    (0, 28): {"native_prefix_metadata": True, "logical_block_copy": True, "raw_mamba_pages": True,
-              "allocate_kv_cache": False, "is_block_writable": False,
-              "free_order": FreeOrder.UNHASHED_OR_UNCACHED_FRONT},
-    (0, 29): {"native_prefix_metadata": True, "logical_block_copy": True, "raw_mamba_pages": True,
-              "allocate_kv_cache": True, "is_block_writable": True,
-              "free_order": FreeOrder.UNHASHED_OR_UNCACHED_FRONT},
+    (0, 26): {"logical_block_copy": True, "raw_mamba_pages": False, "allocate_kv_cache": False},
+    (0, 27): {"logical_block_copy": True, "raw_mamba_pages": True, "allocate_kv_cache": False},
+    (0, 28): {"logical_block_copy": True, "raw_mamba_pages": True, "allocate_kv_cache": False},
+    (0, 29): {"logical_block_copy": True, "raw_mamba_pages": True, "allocate_kv_cache": True},
 }
 
 

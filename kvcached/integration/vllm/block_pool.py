@@ -17,7 +17,8 @@ Block states (every non-null block is in exactly one)::
 
 The null block is pinned (held forever). The ledger's free set is exactly the CLEAN set.
 
-Free-queue invariant (every supported `FreeOrder` keeps it): the queue is
+Free-queue invariant (vLLM 0.26-0.29 keep it: with caching on, native ``free_blocks``
+queues unhashed blocks first and hashed ones last): the queue is
 ``[all CLEAN blocks][CACHED and STRANDED blocks in native order]``. Native
 ``get_new_blocks(n)`` pops the first ``n``; this pool takes ``n`` CLEAN blocks chosen
 page-aware when ``n <= #CLEAN``, else all CLEAN blocks and then the next ``n - #CLEAN``
@@ -56,7 +57,9 @@ shutdown), and a finalizer calls it when a pool that was never shut down is coll
 It is idempotent and logs nothing.
 
 ``take_events``, ``get_cached_block``, ``cache_full_blocks``, ``cache_partial_block``,
-``move_block_hashes`` and ``emit_cached_block_events`` are vLLM's, inherited unchanged.
+``move_block_hashes``, ``emit_cached_block_events`` and ``evict_blocks`` are vLLM's,
+inherited unchanged (``evict_blocks`` drops hashes through the removal hook below, which
+turns a free CACHED block into a STRANDED one in place).
 """
 
 from __future__ import annotations
@@ -372,10 +375,6 @@ class ElasticBlockPool(BlockPool):
         if released:
             self.ledger.release(released)
         self._enforce_cap()
-
-    def evict_blocks(self, block_ids: set[int]) -> None:
-        """Native eviction: hashes go, positions stay (a free CACHED block becomes STRANDED)."""
-        super().evict_blocks(block_ids)
 
     def reset_prefix_cache(self) -> bool:
         """Native reset; on success every free block is CLEAN and empty pages go back."""

@@ -11,17 +11,15 @@ Rows (first vLLM minor series that has the behaviour; the contract notes in
 field                     series       meaning
 ========================  ===========  ==================================================
 (supported range)         0.26-0.29    the native ``BlockPool`` contract `ElasticBlockPool`
-                                       subclasses (constructor, hash hooks, free queue)
-native_prefix_metadata    0.26+        partial prefix entries, hash aliases,
-                                       ``move_block_hashes``, copy-on-write copies
+                                       subclasses (constructor, hash hooks, free queue:
+                                       with caching on, ``free_blocks`` queues unhashed
+                                       blocks first and hashed ones last in every series)
 logical_block_copy        0.26+        the worker copies logical blocks
                                        (``copy_kv_cache_blocks_inplace``)
 raw_mamba_pages           0.27+        Mamba layers bind one raw page tensor
                                        (``MambaBase.bind_kv_cache``)
 allocate_kv_cache         0.29+        KV tensors come from ``utils.allocate_kv_cache``;
                                        ``_allocate_kv_cache_tensors`` is gone
-is_block_writable         0.29+        ``BlockPool.is_block_writable`` exists
-free_order                per series   where ``BlockPool.free_blocks`` puts freed blocks
 ========================  ===========  ==================================================
 
 Version strings are parsed strictly (PEP 440); the policy for suffixes is deliberate:
@@ -38,7 +36,6 @@ Version strings are parsed strictly (PEP 440); the policy for suffixes is delibe
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
@@ -51,24 +48,6 @@ Series = tuple[int, int]
 SUPPORTED: tuple[Series, Series] = ((0, 26), (0, 29))
 
 
-class FreeOrder(enum.Enum):
-    """Where ``BlockPool.free_blocks`` queues blocks that reach ``ref_cnt == 0``.
-
-    "front" blocks are reused first (``prepend_n``); "back" blocks are reused last
-    (``append_n``, LRU order for eviction). Every policy shares the property
-    `ElasticBlockPool` relies on: with caching on, unhashed blocks go to the front and
-    hashed blocks to the back (with caching off no block is ever hashed).
-    """
-
-    #: 0.26: unhashed -> front, hashed -> back.
-    UNHASHED_FRONT = "unhashed_front"
-    #: 0.27: unhashed with caching on -> front; everything else (all blocks when caching
-    #: is off) -> back.
-    UNHASHED_FRONT_IF_CACHING = "unhashed_front_if_caching"
-    #: 0.28+: unhashed, or caching off -> front; hashed with caching on -> back.
-    UNHASHED_OR_UNCACHED_FRONT = "unhashed_or_uncached_front"
-
-
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     """What the running vLLM provides. Built only by `capabilities_for` / `detect`.
@@ -78,29 +57,17 @@ class Capabilities:
 
     version: str
     series: Series
-    native_prefix_metadata: bool
     logical_block_copy: bool
     raw_mamba_pages: bool
     allocate_kv_cache: bool
-    is_block_writable: bool
-    free_order: FreeOrder
 
 
 # field -> first series that has it (all rows hold through the end of SUPPORTED).
 _FIRST: dict[str, Series] = {
-    "native_prefix_metadata": (0, 26),
     "logical_block_copy": (0, 26),
     "raw_mamba_pages": (0, 27),
     "allocate_kv_cache": (0, 29),
-    "is_block_writable": (0, 29),
 }
-
-# (first series, policy), ascending; the last row not after the series applies.
-_FREE_ORDER: tuple[tuple[Series, FreeOrder], ...] = (
-    ((0, 26), FreeOrder.UNHASHED_FRONT),
-    ((0, 27), FreeOrder.UNHASHED_FRONT_IF_CACHING),
-    ((0, 28), FreeOrder.UNHASHED_OR_UNCACHED_FRONT),
-)
 
 
 def _range_text() -> str:
@@ -142,9 +109,8 @@ def capabilities_for(version: str) -> Capabilities:
         raise IntegrationError(
             f"vLLM {version} is not supported; kvcached supports vLLM {_range_text()}"
         )
-    free_order = next(order for first, order in reversed(_FREE_ORDER) if first <= series)
     flags = {name: first <= series for name, first in _FIRST.items()}
-    return Capabilities(version=version, series=series, free_order=free_order, **flags)
+    return Capabilities(version=version, series=series, **flags)
 
 
 def detect() -> Capabilities:

@@ -83,7 +83,7 @@ budget into a miss. Without a budget the native capacity is reported unchanged.
     capped.
 
 ``Worker.determine_available_memory`` and ``vllm.v1.worker.gpu_worker.request_memory``
-(GPU; designed, not run here: this project's CI has no GPU)
+(GPU; unit-tested, but no GPU engine has run them yet: this project's CI has no GPU)
     ``Worker.init_device`` calls ``request_memory``, which takes ``total memory x
     gpu_memory_utilization`` as this engine's share and refuses to start unless that
     much is free *now*. Peers sharing the device through kvcached legitimately hold
