@@ -1,0 +1,133 @@
+"""One report model, three formats: Markdown, HTML (a Jinja2 template) and CSV.
+
+Every section of the model appears in every format: a ``## title`` in Markdown, an
+``<h2>`` in HTML, and a row per block in the CSV index ``report.csv``, whose ``file``
+column names the CSV holding that block's data (``sections/NN-slug.csv``).
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from pathlib import Path
+
+import pandas as pd
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from markupsafe import Markup
+
+from conformance.orchestrate.report.model import Block, Bullets, Image, Paragraph, Preformatted, Report, Table
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+INDEX_CSV = "report.csv"
+INDEX_COLUMNS = ["section", "title", "kind", "file", "rows"]
+
+
+# ---- Markdown ---------------------------------------------------------------------------
+
+
+def markdown_block(block: Block) -> str:
+    if isinstance(block, Table):
+        return block.frame.to_markdown(index=False) if not block.frame.empty else f"_{block.empty}_"
+    if isinstance(block, Bullets):
+        return "\n".join(f"- {item}" for item in block.items) or block.empty
+    if isinstance(block, Preformatted):
+        return f"```\n{block.text}\n```"
+    if isinstance(block, Image):
+        return f"![{block.alt}]({block.src})"
+    return block.text
+
+
+def render_markdown(report: Report) -> str:
+    lines = [f"# {report.title}", "", report.headline, ""]
+    for section in report.sections:
+        lines += [f"## {section.title}", ""]
+        for block in section.blocks:
+            lines += [markdown_block(block), ""]
+    return "\n".join(lines)
+
+
+# ---- HTML -------------------------------------------------------------------------------
+
+
+def inline_html(text: str) -> Markup:
+    """Escape ``text``, then turn its inline marks (```code```, ``**bold**``) into HTML."""
+    out = html.escape(str(text), quote=True)
+    out = re.sub(r"`([^`]+)`", r"<code>\1</code>", out)
+    out = re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", out)
+    return Markup(out)
+
+
+def _environment() -> Environment:
+    env = Environment(
+        loader=FileSystemLoader(str(TEMPLATES)),
+        autoescape=True,
+        undefined=StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    env.filters["inline"] = inline_html
+    return env
+
+
+def render_html(report: Report) -> str:
+    return _environment().get_template("report.html.j2").render(report=report)
+
+
+# ---- CSV --------------------------------------------------------------------------------
+
+
+def csv_block(block: Block) -> pd.DataFrame:
+    """A block's data as a table (bullets: ``item``; text: ``line`` / ``text``; image: ``src``, ``alt``)."""
+    if isinstance(block, Table):
+        return block.frame
+    if isinstance(block, Bullets):
+        return pd.DataFrame({"item": list(block.items)}, dtype=object)
+    if isinstance(block, Preformatted):
+        return pd.DataFrame({"line": block.text.splitlines()}, dtype=object)
+    if isinstance(block, Image):
+        return pd.DataFrame([{"src": block.src, "alt": block.alt}])
+    assert isinstance(block, Paragraph)
+    return pd.DataFrame([{"text": block.text}])
+
+
+def _overview(report: Report) -> pd.DataFrame:
+    fields = {
+        "verdict": report.verdict,
+        "comparisons": report.comparisons,
+        "passed": report.passed,
+        "failed": report.failed,
+        "process_issues": report.process_issues,
+        "candidate": report.candidate_name,
+        "wall_s": f"{report.wall_s:.1f}",
+        "headline": report.headline,
+    }
+    return pd.DataFrame({"key": list(fields), "value": [str(v) for v in fields.values()]})
+
+
+def csv_frames(report: Report) -> dict[str, pd.DataFrame]:
+    """Relative path -> table: ``cases.csv``, ``requests.csv``, the index ``report.csv``
+    (section 0 is the overview: verdict and counts) and one CSV per block of every section."""
+    frames = {"cases.csv": report.cases, "requests.csv": report.requests}
+    index = []
+    parts = [(0, report.title, "overview", _overview(report), "sections/00-overview.csv")]
+    for n, section in enumerate(report.sections, start=1):
+        for k, block in enumerate(section.blocks, start=1):
+            name = f"sections/{n:02d}-{section.slug}" + (f"-{k}" if k > 1 else "") + ".csv"
+            parts.append((n, section.title, block.kind, csv_block(block), name))
+    for n, title, kind, frame, name in parts:
+        frames[name] = frame
+        index.append({"section": n, "title": title, "kind": kind, "file": name, "rows": len(frame)})
+    frames[INDEX_CSV] = pd.DataFrame(index, columns=INDEX_COLUMNS)
+    return frames
+
+
+def write_csv(report: Report, directory: Path) -> list[Path]:
+    """Write every table of ``csv_frames`` under ``directory``; returns the paths written."""
+    written = []
+    for name, frame in csv_frames(report).items():
+        path = directory / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        frame.to_csv(path, index=False)
+        written.append(path)
+    return written
