@@ -7,13 +7,12 @@ column names the CSV holding that block's data (``sections/NN-slug.csv``).
 
 from __future__ import annotations
 
-import html
 import re
 from pathlib import Path
 
 import pandas as pd
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
-from markupsafe import Markup
+from markupsafe import Markup, escape
 
 from conformance.orchestrate.report.model import Block, Bullets, Image, Paragraph, Preformatted, Report, Table
 
@@ -51,7 +50,7 @@ def render_markdown(report: Report) -> str:
 
 def inline_html(text: str) -> Markup:
     """Escape ``text``, then turn its inline marks (```code```, ``**bold**``) into HTML."""
-    out = html.escape(str(text), quote=True)
+    out = str(escape(str(text)))
     out = re.sub(r"`([^`]+)`", r"<code>\1</code>", out)
     out = re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", out)
     return Markup(out)
