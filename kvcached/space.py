@@ -3,7 +3,9 @@
 At tensor-parallel size 1 the worker and the scheduler live in one process (vLLM's
 EngineCore runs the executor in-process). The worker reserves one virtual range per
 KV backing and *publishes* them here; the scheduler-side pool, built right after,
-*claims* the published space and maps pages into exactly those ranges.
+*claims* the published space and maps pages into exactly those ranges. The space carries
+the `KvcachedConfig` the worker resolved and planned with, so the pool runs on the very
+same values (page size, reserve, budget, fault plan) instead of reading them again.
 
 Geometry. Backing ``r`` stores logical block ``b`` at bytes ``[b*stride_r, ...)``. A kv
 page must cover whole VMM pages in every backing, so it holds
@@ -25,6 +27,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvcached.config import KvcachedConfig
 from kvcached.errors import ConfigError, IntegrationError
 from kvcached.pages import PageSpace, Range
 
@@ -71,16 +74,29 @@ def plan_geometry(strides: Sequence[int], num_blocks: int, page_size: int) -> Ge
 
 @dataclass(frozen=True)
 class KvSpace:
-    """The published backings of one engine's KV cache and their geometry.
+    """The published backings of one engine's KV cache, their geometry and config.
 
     ``premapped``: kv pages the publisher already mapped in every range before any pool
     existed (the worker maps the null block's page so warm-up runs may read it). The pool
     that claims the space adopts them instead of mapping them again.
+
+    ``config``: the config the publisher resolved and planned the geometry with; the pool
+    over this space uses it (`kvcached.arena.ElasticArena.open`). None only for spaces
+    built without one (tests, probes), whose pool must be given a config explicitly.
+    Invariant: ``config is None or config.page_size == geometry.page_size``.
     """
 
     geometry: Geometry
     ranges: tuple[Range, ...]
     premapped: frozenset[int] = frozenset()
+    config: KvcachedConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.config is not None and self.config.page_size != self.geometry.page_size:
+            raise ConfigError(
+                f"KV space planned with page size {self.geometry.page_size} but its config has "
+                f"KVCACHED_PAGE_SIZE={self.config.page_size}"
+            )
 
     def page_space(self) -> PageSpace:
         return PageSpace(self.ranges, self.geometry.vmm_pages, self.geometry.num_kv_pages)

@@ -12,6 +12,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 
 import kvcached
 from kvcached import space as kv_space
+from kvcached.config import KvcachedConfig
 from kvcached.errors import IntegrationError
 from kvcached.integration.vllm import capabilities, scheduler
 from kvcached.integration.vllm.block_pool import ElasticBlockPool
@@ -46,7 +47,7 @@ def published():
     """Scheduler seams installed and a worker-side KV space published, as at TP=1."""
     geometry = plan_geometry([1024], NUM_BLOCKS, PAGE)
     vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE)
-    space = KvSpace(geometry, (vrange,))
+    space = KvSpace(geometry, (vrange,), config=KvcachedConfig(page_size=PAGE))
     kv_space.publish(space)
     scheduler.install(capabilities.detect())
     pools: list[ElasticBlockPool] = []

@@ -42,16 +42,8 @@ class Engine:
     """A KVCacheManager built by vLLM's own code path, on a budgeted published space."""
 
     def __init__(self, tmp: Path, budget_pages: int, plans: list[dict[str, object]] | None = None) -> None:
-        geometry = plan_geometry([1024], NUM_BLOCKS, PAGE)
-        self.budget = _vmm.Budget(budget_pages * PAGE)
-        self.vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE, self.budget)
-        self.space = KvSpace(geometry, (self.vrange,))
-        kv_space.publish(self.space)
-        scheduler.install(capabilities.detect())
-        cfg = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
-            KVCacheGroupSpec(["layer0"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8,
-                                                          dtype=torch.float32))])
-        # The pool reads its config and fault plan from the environment; pin them here.
+        # The worker resolves the engine's config (fault plan included) from the environment
+        # and publishes it with the space; the pool reads no environment of its own.
         self._env = pytest.MonkeyPatch()
         self._env.setenv("KVCACHED_PAGE_SIZE", str(PAGE))
         self._env.setenv("KVCACHED_MIN_RESERVE_PAGES", "0")
@@ -64,11 +56,20 @@ class Engine:
             plan = tmp / f"faults-{next(_plan_ids)}.json"
             plan.write_text(json.dumps({"plans": plans}))
             self._env.setenv("KVCACHED_FAULT_PLAN", str(plan))
+        geometry = plan_geometry([1024], NUM_BLOCKS, PAGE)
+        self.budget = _vmm.Budget(budget_pages * PAGE)
+        self.vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE, self.budget)
+        self.space = KvSpace(geometry, (self.vrange,), config=KvcachedConfig.resolve())
+        kv_space.publish(self.space)
+        scheduler.install(capabilities.detect())
+        cfg = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec(["layer0"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8,
+                                                          dtype=torch.float32))])
         self.manager = KVCacheManager(cfg, max_model_len=1024, scheduler_block_size=BLOCK, hash_block_size=BLOCK,
                                       enable_caching=True, enable_kv_cache_events=True)
         pool = self.manager.block_pool
         assert isinstance(pool, ElasticBlockPool)
-        assert pool.config == KvcachedConfig.resolve()
+        assert pool.config is self.space.config, "the published config, not a second resolution"
         self.pool = pool
         self.faults = pool.faults
 

@@ -72,6 +72,7 @@ def build(config: KVCacheConfig, layout: KVCacheLayout, kernel_block_sizes: list
     kv = gpu_model_runner.allocate_kv_cache(config, CPU, layout, kernel_block_sizes)
     published = space.claim(config.num_blocks)
     assert published is not None and published.premapped == {worker.NULL_BLOCK_PAGE}
+    assert published.config is not None and published.config.page_size == published.geometry.page_size
     bases = {r.address for r in published.ranges}
     assert kv.keys() == native.keys()
     for name, t in kv.items():

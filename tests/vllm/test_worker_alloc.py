@@ -85,6 +85,7 @@ def build(config: KVCacheConfig, groups: list[tuple[Any, type, list[str]]]) -> t
         assert tensor.dtype == torch.int8 and tensor.numel() == t.size
         assert tensor.untyped_storage().data_ptr() in {r.address for r in published.ranges}
     assert published.premapped == {worker.NULL_BLOCK_PAGE}
+    assert published.config is not None and published.config.page_size == published.geometry.page_size
     vmm = published.geometry.vmm_pages
     assert [r.mapped_pages() for r in published.ranges] == [list(range(k)) for k in vmm]
     kv = GPUModelRunner._reshape_kv_cache_tensors(runner, raw, [g[0].block_size for g in groups])
@@ -216,6 +217,26 @@ def test_profiling_kv_cache_is_plain_memory() -> None:
     raw = mark(runner)
     assert space.claim(N) is None  # nothing published
     assert torch.count_nonzero(raw["l0"]) == 0  # vLLM's torch.zeros, readable everywhere
+
+
+def test_the_engine_config_is_resolved_once_and_published_with_the_space(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capacity report resolves the engine's config; the allocation plans with that one
+    and publishes it for the pool, even if the environment changed in between. The next
+    engine built in the process resolves its own."""
+    config = KVCacheConfig(
+        num_blocks=N,
+        kv_cache_tensors=[KVCacheTensor(size=N * ATTN_PAGE, shared_by=["l0"])],
+        kv_cache_groups=[KVCacheGroupSpec(["l0"], ATTN)],
+    )
+    groups = [(ATTN, CPUAttentionBackend, ["l0"])]
+    report = worker._wrap_gpu_determine(lambda self: 1 << 30)  # the engine's capacity report
+    assert report(None) == 1 << 30  # no budget: uncapped
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(2 * PAGE_SIZE))  # too late for this engine
+    _, first = build(config, groups)
+    assert first.config is not None and first.config.page_size == first.geometry.page_size == PAGE_SIZE
+    space.withdraw()
+    _, second = build(config, groups)  # a later engine, no report: resolved at its allocation
+    assert second.config is not None and second.config.page_size == second.geometry.page_size == 2 * PAGE_SIZE
 
 
 def test_layer_coverage_is_checked() -> None:

@@ -49,12 +49,15 @@ Pages whose blocks are all CLEAN go back to the `PagePool`, ticketed by the step
 (an `EngineStepFence`: steps that touch no KV hold no ticket); they are unmapped by
 `collect` once every step that may still touch them has executed.
 
-Start and teardown. The worker maps the null block's kv page when it allocates the KV
-tensors (warm-up runs may read block 0 before this pool exists); the pool adopts that
-page and pins it. `close` unmaps every page, leaves the stats registry and withdraws the
-published space; the scheduler seam calls it from ``Scheduler.shutdown`` (engine
-shutdown), and a finalizer calls it when a pool that was never shut down is collected.
-It is idempotent and logs nothing.
+Start and teardown. The physical parts (config, fence, fault injector, `PagePool`,
+`BlockLedger`, stats entry) are one `kvcached.arena.ElasticArena`, assembled there and
+nowhere else; the config is the one the worker resolved and published with the space.
+The worker maps the null block's kv page when it allocates the KV tensors (warm-up runs
+may read block 0 before this pool exists); the arena adopts that page and pins the null
+block on it. `close` closes the arena: every page unmapped, the stats entry gone, the
+published space withdrawn; the scheduler seam calls it from ``Scheduler.shutdown``
+(engine shutdown), and a finalizer calls it when a pool that was never shut down is
+collected. It is idempotent and logs nothing.
 
 ``take_events``, ``get_cached_block``, ``cache_full_blocks``, ``cache_partial_block``,
 ``move_block_hashes``, ``emit_cached_block_events`` and ``evict_blocks`` are vLLM's,
@@ -73,15 +76,14 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, KVCacheBlock
 
+from kvcached.arena import ElasticArena
 from kvcached.config import KvcachedConfig
 from kvcached.errors import InjectedFault, IntegrationError, InvariantError
 from kvcached.faults import FaultInjector
 from kvcached.fence import StepFence
 from kvcached.ledger import BlockLedger
 from kvcached.pages import PagePool
-from kvcached.space import KvSpace, claim, withdraw
-from kvcached.stats import register as register_stats
-from kvcached.stats import unregister as unregister_stats
+from kvcached.space import KvSpace, claim
 
 ADMISSION_SITES = frozenset({"admission", "cow_admission"})
 
@@ -128,13 +130,6 @@ class EngineStepFence(StepFence):
             return step
 
 
-def _release_pool(page_pool: PagePool, stats_key: str, space: KvSpace) -> None:
-    """Teardown shared by `ElasticBlockPool.close` and its finalizer (must not hold the pool)."""
-    unregister_stats(stats_key)
-    page_pool.close()
-    withdraw(space)
-
-
 @dataclass(frozen=True, slots=True)
 class _Demand:
     """Blocks one admission check asks for, and the prefix hits it is about to touch."""
@@ -156,10 +151,19 @@ class ElasticBlockPool(BlockPool):
     """vLLM ``BlockPool`` whose blocks live on elastically mapped kv pages.
 
     The first five parameters are the native constructor's, passed to it unchanged.
-    ``kv_space`` is the worker's published space (default: claimed from `kvcached.space`);
-    ``config``/``faults``/``fence`` default to the environment's config, its fault plan and
-    a fresh `EngineStepFence`.
+    ``kv_space`` is the worker's published space (default: claimed from `kvcached.space`).
+    The physical side is one `ElasticArena` over that space (``arena``), opened with the
+    null block pinned: ``config`` defaults to the config the worker published with the
+    space (resolved once, by the worker), ``faults`` to that config's fault plan and
+    ``fence`` to a fresh `EngineStepFence`. ``config``, ``fence``, ``faults``,
+    ``page_pool`` and ``ledger`` are the arena's parts, as plain attributes.
     """
+
+    config: KvcachedConfig
+    fence: StepFence
+    faults: FaultInjector | None
+    page_pool: PagePool
+    ledger: BlockLedger
 
     def __init__(
         self,
@@ -187,28 +191,31 @@ class ElasticBlockPool(BlockPool):
             raise IntegrationError(
                 f"KV space holds {space.geometry.num_blocks} blocks but the pool has {num_gpu_blocks}"
             )
-        self.config = config if config is not None else KvcachedConfig.resolve()
-        # An empty path means "no plan": only the config decides, not the environment again.
-        self.faults = faults if faults is not None else FaultInjector.from_env(self.config.fault_plan or "")
-        self.fence = fence if fence is not None else EngineStepFence()
-        self.page_pool = PagePool(space.page_space(), self.config, fence=self.fence, faults=self.faults)
-        # The null block's page, mapped by the worker before warm-up; pinned just below.
-        self.page_pool.adopt(space.premapped)
-        self.ledger = BlockLedger(
-            num_gpu_blocks,
-            space.geometry.blocks_per_page,
-            self.page_pool,
+        # The null block's page was mapped by the worker before warm-up (space.premapped):
+        # the arena adopts it, then pins the null block on it.
+        arena = ElasticArena.open(
+            space,
+            config,
+            name=name,
+            fence=fence if fence is not None else EngineStepFence(),
             pinned=(self.null_block.block_id,),
+            faults=faults,
         )
+        self.arena = arena
+        self.config = arena.config
+        self.fence = arena.fence
+        self.faults = arena.faults
+        self.page_pool = arena.pool
+        self.ledger = arena.ledger
         self._cached: set[int] = set()
         self._stranded: set[int] = set()
         self._demand: _Demand | None = None
         self._admission: _Admission | None = None
         self._logical_view = False
-        self._stats_key = register_stats(name, self.ledger)
         # Runs at most once: from `close`, or when a pool that was never closed is collected.
+        # It holds the arena, never the pool (a reference to the pool would keep it alive).
         # Not at interpreter exit, where the process returns its memory anyway.
-        self._finalizer = weakref.finalize(self, _release_pool, self.page_pool, self._stats_key, space)
+        self._finalizer = weakref.finalize(self, arena.close)
         self._finalizer.atexit = False
 
     # ---- admission (driven by the scheduler seam) ------------------------------------
@@ -550,7 +557,8 @@ class ElasticBlockPool(BlockPool):
                 raise InvariantError(f"{state} block {bid} sits on an unmapped page")
 
     def close(self) -> None:
-        """Engine teardown: leave the stats registry, unmap every page, withdraw the space.
+        """Engine teardown: close the arena (leave the stats registry, unmap every page,
+        withdraw the published space).
 
         Idempotent and silent. Only for a stopped engine: the worker's KV views stay
         reserved but unmapped, so a step after this would fault.

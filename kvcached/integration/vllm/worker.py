@@ -64,6 +64,14 @@ gone and ``vllm.v1.worker.gpu_model_runner.allocate_kv_cache`` replaces both (be
     a destination and a later source is applied twice over the same bytes, and it
     validates nothing before writing; kvcached's copy is kept on every series.
 
+Configuration. One `KvcachedConfig` per engine: the engine's first worker seam that needs
+it, the capacity report below, resolves it; the allocation seam plans the geometry and
+opens the ranges with that same config and publishes it with the KV space, where the
+scheduler's pool takes it (`kvcached.space.KvSpace.config`). Nothing resolves it again, so
+the page size the worker planned with is the one the pool maps. The allocation takes the
+config (resolving it itself if no report ran), so the next engine built in the same
+process resolves its own.
+
 Memory profiling (the KV capacity, in bytes, the worker reports to the engine, from
 which vLLM derives ``num_blocks``). kvcached's KV tensors are virtual: nothing is
 committed when they are made, pages are mapped per admission and given back when idle,
@@ -157,6 +165,8 @@ class _State:
     enabled: bool = False
     #: range address -> block stride (bytes) of the backings this process allocated
     backing_strides: dict[int, int] = field(default_factory=dict)
+    #: the config resolved for the engine being built, until its allocation takes it
+    config: KvcachedConfig | None = None
 
 
 _lock = threading.RLock()
@@ -172,6 +182,30 @@ def is_enabled() -> bool:
 
 def installed_capabilities() -> Capabilities | None:
     return _state.caps
+
+
+# ---- the engine's config ------------------------------------------------------------------
+def _resolve_engine_config() -> KvcachedConfig:
+    """Resolve the config of the engine being built; its first seam (the capacity report) calls this.
+
+    Always resolved afresh: an engine that failed between its report and its allocation
+    must not leave its config to the next engine built in this process.
+    """
+    config = KvcachedConfig.resolve()
+    with _lock:
+        _state.config = config
+    return config
+
+
+def _take_engine_config() -> KvcachedConfig:
+    """The engine's config for its allocation, which publishes it with the KV space.
+
+    The one the capacity report resolved; resolved now if no report ran (the seams called
+    directly). Taking it leaves none behind, so the next engine resolves its own.
+    """
+    with _lock:
+        config, _state.config = _state.config, None
+    return config if config is not None else KvcachedConfig.resolve()
 
 
 # ---- (a) allocation ----------------------------------------------------------------------
@@ -259,6 +293,7 @@ class _Backings:
     """Virtual ranges for the KV backings of one engine, before they are published."""
 
     geometry: _space.Geometry
+    config: KvcachedConfig  # the engine's config, planned with; published with the space
     ranges: list[Any]  # kvcached._vmm.VirtualRange, one per backing
     rows: list[torch.Tensor]  # int8 view of each backing's ``num_blocks`` block rows
     strides: dict[int, int]  # range base address -> block stride
@@ -275,10 +310,10 @@ def _open_backings(block_strides: Sequence[int], row_bytes: Sequence[int], num_b
     from kvcached.arena import make_budget
     from kvcached.memory import tensor_view
 
-    config = KvcachedConfig.resolve()
+    config = _take_engine_config()
     geometry = _plan_geometry(block_strides, num_blocks, config.page_size, device)
     budget = make_budget(config)
-    backings = _Backings(geometry, [], [], {})
+    backings = _Backings(geometry, config, [], [], {})
     try:
         for stride, size, reserved in zip(block_strides, row_bytes, geometry.reserved_bytes, strict=True):
             # reserved = whole kv pages covering num_blocks * stride >= size
@@ -295,7 +330,8 @@ def _open_backings(block_strides: Sequence[int], row_bytes: Sequence[int], num_b
 def _publish(backings: _Backings) -> None:
     """Map the null block's page and hand the space to the scheduler's pool (closes on failure)."""
     try:
-        space = _space.KvSpace(backings.geometry, tuple(backings.ranges), premapped=frozenset({NULL_BLOCK_PAGE}))
+        space = _space.KvSpace(backings.geometry, tuple(backings.ranges), premapped=frozenset({NULL_BLOCK_PAGE}),
+                               config=backings.config)
         # Warm-up may read block 0 before the scheduler's pool exists; the pool adopts the page.
         space.page_space().map_page(NULL_BLOCK_PAGE)
     except BaseException:
@@ -536,13 +572,14 @@ def _wrap_cpu_determine(original: Callable[..., int]) -> Callable[..., int]:
     def determine_available_memory(self: Any) -> int:
         if not _state.enabled:
             return original(self)
+        config = _resolve_engine_config()
         explicit = self.cache_config.kv_cache_memory_bytes
         if explicit is None:
-            return capped_kv_bytes(original(self))  # vLLM's RSS-based sizing, checks included
+            return capped_kv_bytes(original(self), config)  # vLLM's RSS-based sizing, checks included
         # vLLM's version warms the model up first, then checks `explicit` against the
         # node's available memory; the KV tensors are virtual, so only the warm-up applies.
         self.model_runner.warming_up_model()
-        return capped_kv_bytes(explicit)
+        return capped_kv_bytes(explicit, config)
 
     return determine_available_memory
 
@@ -551,7 +588,7 @@ def _wrap_gpu_determine(original: Callable[..., int]) -> Callable[..., int]:
     @functools.wraps(original)
     def determine_available_memory(self: Any) -> int:
         available = original(self)
-        return capped_kv_bytes(available) if _state.enabled else available
+        return capped_kv_bytes(available, _resolve_engine_config()) if _state.enabled else available
 
     return determine_available_memory
 
@@ -662,3 +699,4 @@ def uninstall() -> None:
         _state.caps = None
         _state.enabled = False
         _state.backing_strides = {}
+        _state.config = None
