@@ -3,10 +3,12 @@
 Nothing here is hard-coded per model: the attention block size (which vLLM enlarges for
 hybrids so attention and Mamba pages line up), the prefix-hash granularity and the KV bytes
 of one block are read from the engine after it has started. The page size is kvcached's
-virtual-memory page: the kvcached engine reports its own; for a native engine it is the page
-size the harness passes to the candidate (``KVCACHED_PAGE_SIZE``): unless given explicitly it
-is derived from the engine's KV backings (``derive_page_size``), because kvcached needs pages
-that hold whole blocks of every backing. The reference derives it once and both engines use it.
+virtual-memory page: the size the harness passes to the candidate (``KVCACHED_PAGE_SIZE``);
+unless given explicitly it is derived from the engine's KV backings (``derive_page_size``),
+because kvcached needs pages that hold whole blocks of every backing. The reference derives
+it once and every engine of the case uses it; a kvcached engine must report the same page
+through ``kvcached.stats()`` (``EngineHandle.check_page_size``), else the case fails. The
+engine side reads the geometry (``EngineHandle.geometry``); this module is pure.
 
 Invariants:
 * ``prompt_lengths`` returns distinct lengths in ascending order, each in
@@ -22,6 +24,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from pydantic import ConfigDict
 
 from conformance.cases import LengthSet
 
@@ -40,7 +44,10 @@ class Geometry:
     kv_tensor_bytes: int  # sum of the KVCacheTensor sizes: what native vLLM commits at start
     max_model_len: int
     page_size_bytes: int  # kvcached VMM page size
-    page_size_source: str  # "kvcached" (reported by the engine) | "configured" | "derived"
+    page_size_source: str  # "configured" (given to the harness) | "derived" (from the strides)
+
+    # Validated strictly where it crosses a process boundary (``conformance.results``).
+    __pydantic_config__ = ConfigDict(extra="forbid")
 
     @property
     def tokens_per_page(self) -> int:
@@ -82,41 +89,6 @@ def derive_page_size(block_strides: tuple[int, ...], target: int = PAGE_TARGET_B
     """
     unit = math.lcm(OS_PAGE, *block_strides)
     return unit * max(1, -(-target // unit))
-
-
-def read_geometry(llm: Any, page_size: int | None, kvcached_page_size: int | None) -> Geometry:
-    """Read the geometry of a running in-process ``vllm.LLM`` (VLLM_ENABLE_V1_MULTIPROCESSING=0).
-
-    Page size: what kvcached reports if it does, else ``page_size`` if given, else derived.
-    """
-    core = llm.llm_engine.engine_core.engine_core
-    sched = core.scheduler
-    kcc = sched.kv_cache_config
-    groups = kcc.kv_cache_groups
-    num_blocks = int(kcc.num_blocks)
-    tensor_bytes = sum(int(t.size) for t in kcc.kv_cache_tensors)
-    strides = tuple(int(t.size) // num_blocks for t in kcc.kv_cache_tensors)
-    if kvcached_page_size:
-        page, source = int(kvcached_page_size), "kvcached"
-    elif page_size:
-        page, source = int(page_size), "configured"
-    else:
-        page, source = derive_page_size(strides), "derived"
-    return Geometry(
-        block_size=int(sched.block_size),
-        hash_block_size=int(sched.kv_cache_manager.block_pool.hash_block_size),
-        group_block_sizes=tuple(int(g.kv_cache_spec.block_size) for g in groups),
-        group_kinds=tuple(type(g.kv_cache_spec).__name__ for g in groups),
-        group_layers=tuple(tuple(g.layer_names) for g in groups),
-        block_page_bytes=max(int(g.kv_cache_spec.page_size_bytes) for g in groups),
-        block_bytes_all_layers=tensor_bytes // num_blocks,
-        block_strides=strides,
-        num_blocks=num_blocks,
-        kv_tensor_bytes=tensor_bytes,
-        max_model_len=int(llm.llm_engine.vllm_config.model_config.max_model_len),
-        page_size_bytes=page,
-        page_size_source=source,
-    )
 
 
 def prompt_lengths(geo: Geometry, length_set: LengthSet, max_prompt_len: int) -> list[tuple[str, int]]:

@@ -14,6 +14,9 @@ class PoolStats:
     """One pool at one instant. Invariant: ``reserved_idle_bytes <= mapped_bytes <=
     peak_mapped_bytes``, all multiples of ``kv_page_bytes``; ``live_blocks <= capacity_blocks``.
 
+    ``kv_page_bytes`` is one kv page across every backing (the unit pages are mapped in);
+    ``vmm_page_bytes`` is the virtual-memory page of each backing (``KVCACHED_PAGE_SIZE``).
+
     ``map_failures`` counts page-map batches the backend refused; ``admission_misses``
     counts admission checks the pool had to answer with fewer blocks than asked because
     memory was short or a fault was injected (each is a scheduling miss for the caller,
@@ -26,6 +29,7 @@ class PoolStats:
     live_blocks: int
     capacity_blocks: int
     kv_page_bytes: int
+    vmm_page_bytes: int
     maps: int
     unmaps: int
     map_failures: int

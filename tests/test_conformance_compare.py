@@ -11,20 +11,30 @@ import pytest
 
 from conformance import cases as C
 from conformance.orchestrate.compare import compare_kv, compare_logprobs, compare_results
+from conformance.results import CaseResult, FaultRecord, KvSnapshotMeta
 
 MT = 4
 
 
+def _meta(keys: dict[str, Any], token_dims: dict[str, Any]) -> KvSnapshotMeta:
+    full = {k: {"group": 0, "block_size": 4, **v} for k, v in keys.items()}
+    return KvSnapshotMeta(keys=full, token_dims=token_dims, whole_block_layers=[], num_arrays=0)
+
+
 def _result(
     tokens: list[list[int]], *, engine: str = "native", schedule: Any = None, kv: bool = True
-) -> dict[str, Any]:
+) -> CaseResult:
+    return CaseResult.model_validate(_result_dict(tokens, engine=engine, schedule=schedule, kv=kv))
+
+
+def _result_dict(tokens: list[list[int]], *, engine: str, schedule: Any, kv: bool) -> dict[str, Any]:
     reqs = []
     for i, toks in enumerate(tokens):
         reqs.append(
             {
                 "rid": f"p1-{i:02d}",
                 "label": "x",
-                "pass": 1,
+                "pass_no": 1,
                 "prompt_len": 5,
                 "token_ids": list(toks),
                 "logprobs": [[[t, -1.0 - 0.1 * j, 1], [t + 1, -2.0, 2]] for j, t in enumerate(toks)],
@@ -34,18 +44,26 @@ def _result(
             }
         )
     return {
+        "case": {},
+        "side": "candidate",
         "engine": engine,
         "error": None,
         "requests": reqs,
         "kv_status": "ok" if kv else "pending",
-        "kv": {"keys": {}, "token_dims": {}},
-        "probe": {"copies_total": 0, "partial_prefix_hits": 0, "schedule_fingerprint": schedule or [[[0, 5]]]},
-        "metrics": {"preemptions": 0.0},
-        "scheduler": {"scheduler_type": "Scheduler", "batch_queue": False},
+        "kv": {"keys": {}, "token_dims": {}, "whole_block_layers": [], "num_arrays": 0},
+        "probe": {
+            "steps": [], "schedule_fingerprint": schedule or [[[0, 5]]], "copies_total": 0, "copy_batches": 0,
+            "preemptions_counted": 0, "partial_prefix_hits": 0, "prefix_hit_admissions": 0,
+        },
+        "metrics": {"preemptions": 0.0, "prefix_cache_queries": 0.0, "prefix_cache_hits": 0.0},
+        "scheduler": {
+            "scheduler_type": "Scheduler", "batch_queue": False, "async_scheduling": False,
+            "executor": "UniProcExecutor", "world_size": 1,
+        },
         "mapped_bytes_peak": 1,
         "mapped_bytes_final": 1,
         "t_total": 1.0,
-    }
+    }  # fmt: skip
 
 
 def _kv_files(tmp_path: Path, name: str, arrays: dict[str, np.ndarray]) -> Path:
@@ -54,19 +72,9 @@ def _kv_files(tmp_path: Path, name: str, arrays: dict[str, np.ndarray]) -> Path:
     return p
 
 
-def _with_kv(res: dict[str, Any], blocks: list[tuple[int, int]]) -> dict[str, Any]:
-    res["kv"] = {
-        "keys": {
-            "aa" * 4: {
-                "group": 0,
-                "kind": "FullAttentionSpec",
-                "block_size": 4,
-                "layers": ["L"],
-                "blocks": [list(b) for b in blocks],
-            }
-        },
-        "token_dims": {"L|0": 2, "L|1": 1},
-    }
+def _with_kv(res: CaseResult, blocks: list[tuple[int, int]]) -> CaseResult:
+    keys = {"aa" * 4: {"kind": "FullAttentionSpec", "layers": ["L"], "blocks": [list(b) for b in blocks]}}
+    res.kv = _meta(keys, {"L|0": 2, "L|1": 1})
     return res
 
 
@@ -108,8 +116,9 @@ def test_same_schedule_kv_difference_is_unexplained(tmp_path: Path) -> None:
     assert not row.passed and any("same schedule but KV differs" in p for p in row.problems)
     assert row.kv_max_abs_diff == pytest.approx(1e-6)
     # The same difference under a different schedule is reported and explained.
-    oth2 = copy.deepcopy(oth)
-    oth2["probe"]["schedule_fingerprint"] = [[[0, 3]], [[0, 2]]]
+    oth2 = oth.model_copy(deep=True)
+    assert oth2.probe is not None
+    oth2.probe.schedule_fingerprint = [[(0, 3)], [(0, 2)]]
     row2, _ = compare_results(CASE, ref, oth2, rp, op, True)
     assert row2.passed and row2.verdict.startswith("tokens exact") and "schedule diverged" in row2.explanations[0]
 
@@ -118,11 +127,8 @@ def test_kv_sets_ignore_block_ids_and_cut_to_common_tokens() -> None:
     # Engine A holds the key in two blocks (one covering only 2 token slots), engine B in one.
     full = np.arange(8, dtype=np.float32).reshape(1, 2, 4)  # K: (heads, head, tokens)
     half = full[:, :, :2].copy()
-    ra = {
-        "keys": {"k": {"kind": "FullAttentionSpec", "layers": ["L"], "blocks": [[3, 4], [9, 2]]}},
-        "token_dims": {"L|0": 2},
-    }
-    oa = {"keys": {"k": {"kind": "FullAttentionSpec", "layers": ["L"], "blocks": [[5, 4]]}}, "token_dims": {"L|0": 2}}
+    ra = _meta({"k": {"kind": "FullAttentionSpec", "layers": ["L"], "blocks": [[3, 4], [9, 2]]}}, {"L|0": 2})
+    oa = _meta({"k": {"kind": "FullAttentionSpec", "layers": ["L"], "blocks": [[5, 4]]}}, {"L|0": 2})
 
     class Npz(dict):
         @property
@@ -139,10 +145,7 @@ def test_kv_sets_ignore_block_ids_and_cut_to_common_tokens() -> None:
 
 def test_recurrent_states_compare_only_at_equal_fill() -> None:
     s = np.ones((2, 3), np.float32)
-    meta = lambda n: {
-        "keys": {"k": {"kind": "MambaSpec", "layers": ["M"], "blocks": [[1, n]]}},
-        "token_dims": {"M|0": None},
-    }
+    meta = lambda n: _meta({"k": {"kind": "MambaSpec", "layers": ["M"], "blocks": [[1, n]]}}, {"M|0": None})
 
     class Npz(dict):
         @property
@@ -189,7 +192,7 @@ def test_fault_plan_must_fire_and_async_must_run() -> None:
     assert "no fired counts" in problems
     assert "asked async, ran Scheduler" in problems
     assert "no copy-on-write copy" in problems
-    oth["fault_fired"] = {"cow_admission": 0}
+    oth.fault = FaultRecord(fired={"cow_admission": 0}, triggers=[])
     row, _ = compare_results(case, ref, oth, None, None, True)
     assert "never fired" in " | ".join(row.problems)
     # Without the override, asked-async-ran-sync is reported, not failed.
@@ -201,12 +204,12 @@ def test_replay_oracle_explains_only_native_history_dependent_requests(tmp_path:
     empty = _kv_files(tmp_path, "empty", {})
     ref, oth = _result([[1, 2, 3, 4], [5, 6, 7, 8]]), _result([[9, 2, 3, 4], [5, 6, 7, 8]])
     # The reference itself gave other tokens when the short prompt p1-00 was replayed.
-    ref["replay"] = {"p1-00": [[7, 7, 7, 7], [1, 2, 3, 4]], "p1-01": [[5, 6, 7, 8], [5, 6, 7, 8]]}
+    ref.replay = {"p1-00": [[7, 7, 7, 7], [1, 2, 3, 4]], "p1-01": [[5, 6, 7, 8], [5, 6, 7, 8]]}
     row, reqs = compare_results(NOPC, ref, oth, empty, empty, True)
     assert row.passed and row.verdict == "exact where native is self-consistent", row.problems
     assert row.native_unstable_requests == 1 and reqs[0].native_history_dependent
     assert "history-dependent" in " ".join(row.explanations)
     # A stable replay explains nothing: the same mismatch fails.
-    ref["replay"] = {"p1-00": [[1, 2, 3, 4], [1, 2, 3, 4]]}
+    ref.replay = {"p1-00": [[1, 2, 3, 4], [1, 2, 3, 4]]}
     row, _ = compare_results(NOPC, ref, oth, empty, empty, True)
     assert not row.passed and row.verdict == "MISMATCH"

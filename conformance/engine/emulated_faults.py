@@ -81,8 +81,8 @@ class EmulatedSeam:
         write_fired(self.plan_path, self.fired(), self.triggers())
 
 
-def install_emulated_seam(llm: Any, plan_path: Path) -> EmulatedSeam:
-    sched = llm.llm_engine.engine_core.engine_core.scheduler
+def install_emulated_seam(sched: Any, plan_path: Path) -> EmulatedSeam:
+    """Wrap ``sched.kv_cache_manager.allocate_slots`` of one running scheduler (EngineCore side)."""
     seam = EmulatedSeam(plan_path, int(sched.block_size), [_RuleState(r) for r in read_plan(plan_path)])
     seam.flush()
     kvm = sched.kv_cache_manager

@@ -1,8 +1,10 @@
 """KV-content snapshots of an engine's prefix cache, matched through vLLM's own hash map.
 
-For every key of ``scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block``
-(block hash + group id) the snapshot records the block(s) it maps to and, for every layer
-of that KV-cache group, the block's values as float32 arrays:
+Two halves, one per process of a multiprocess engine. The EngineCore half
+(`cached_blocks`) walks ``scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block``
+(block hash + group id) and lists the block(s) every key maps to; the worker half
+(`read_blocks`, run on every rank through vLLM's ``collective_rpc``) returns, for every
+layer of that KV-cache group, the block's values as float32 arrays:
 
 * attention layers (CPU_ATTN): K and V of the token slots the block's primary hash covers.
   A partial block's other slots are scratch and legitimately schedule-dependent. The
@@ -100,78 +102,94 @@ def _attn_backend_name(fwd_ctx: dict[str, Any], layer: str) -> str:
     return str(backend.get_name()) if backend is not None else "?"
 
 
-def snapshot(llm: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Return (metadata, arrays) for every cached block of a running in-process engine."""
-    core = llm.llm_engine.engine_core.engine_core
-    sched = core.scheduler
-    groups = sched.kv_cache_config.kv_cache_groups
-    fwd_ctx = llm.llm_engine.vllm_config.compilation_config.static_forward_context
-    pool = sched.kv_cache_manager.block_pool
-    keys: dict[str, Any] = {}
-    arrays: dict[str, np.ndarray] = {}
-    token_dims: dict[str, int | None] = {}
-    whole_block_layers: set[str] = set()
-    for key, entry in _hash_map(pool).items():
+@dataclass(frozen=True)
+class BlockRead:
+    """One (block, layer) the worker is asked to read: sent over ``collective_rpc``."""
+
+    block_id: int
+    layer: str
+    kind: str  # KV spec class name of the layer's group
+    block_size: int
+    num_tokens: int  # tokens the block's primary hash covers
+
+
+def cached_blocks(scheduler: Any) -> tuple[dict[str, dict[str, Any]], list[BlockRead]]:
+    """EngineCore side: every prefix-cache key, and the (block, layer) reads it needs."""
+    groups = scheduler.kv_cache_config.kv_cache_groups
+    keys: dict[str, dict[str, Any]] = {}
+    reads: dict[tuple[int, str], BlockRead] = {}
+    for key, entry in _hash_map(scheduler.kv_cache_manager.block_pool).items():
         gid = int.from_bytes(key[-4:], "big")
         spec = groups[gid].kv_cache_spec
-        kind = type(spec).__name__
-        bs = int(spec.block_size)
+        kind, bs = type(spec).__name__, int(spec.block_size)
         refs = []
         for blk in _blocks_of(entry):
-            n = blk.block_hash_num_tokens
-            if n is None:
+            if blk.block_hash_num_tokens is None:
                 raise RuntimeError(f"cached block {blk.block_id} has no hash token count")
-            refs.append(BlockRef(int(blk.block_id), int(n)))
+            ref = BlockRef(int(blk.block_id), int(blk.block_hash_num_tokens))
+            refs.append(ref)
             for layer in groups[gid].layer_names:
-                tensors = _layer_states(fwd_ctx, layer)
-                if kind in ATTENTION_KINDS and len(tensors) == 1 and _attn_backend_name(fwd_ctx, layer) == "CPU_ATTN":
-                    t = tensors[0]
-                    verify_cpu_attn_layout(t.dtype, bs, int(t.shape[-1]) // 2)
-                    parts = split_cpu_attn_block(t[blk.block_id], valid_tokens(int(n), bs))
-                elif kind in ATTENTION_KINDS:
-                    # Unknown attention layout: whole blocks only (scratch slots included).
-                    whole_block_layers.add(layer)
-                    parts = [(t[blk.block_id], None) for t in tensors]
-                else:
-                    parts = [(t[blk.block_id], None) for t in tensors]
-                for si, (part, tdim) in enumerate(parts):
-                    token_dims[f"{layer}|{si}"] = tdim
-                    name = f"b{blk.block_id}|{layer}|{si}"
-                    if name not in arrays:
-                        arrays[name] = part.detach().to("cpu").float().contiguous().numpy().copy()
+                # Each (block, layer) is read once even when several keys alias the block.
+                reads.setdefault((ref.block_id, layer), BlockRead(ref.block_id, layer, kind, bs, ref.num_tokens))
         keys[key.hex()] = {
             "group": gid,
             "kind": kind,
             "block_size": bs,
             "layers": list(groups[gid].layer_names),
-            "blocks": [[r.block_id, r.num_tokens] for r in refs],
+            "blocks": [(r.block_id, r.num_tokens) for r in refs],
         }
-    meta = {
-        "keys": keys,
-        "token_dims": token_dims,
-        "whole_block_layers": sorted(whole_block_layers),
-        "num_arrays": len(arrays),
-    }
-    return meta, arrays
+    return keys, list(reads.values())
 
 
-def corrupt_prefix_blocks(llm: Any, prefix_tokens: int) -> list[int]:
-    """Negative control: add 1.0 to every attention layer of the cached blocks whose primary
-    hash covers exactly ``prefix_tokens`` leading tokens. Returns the corrupted block IDs."""
-    core = llm.llm_engine.engine_core.engine_core
-    sched = core.scheduler
-    groups = sched.kv_cache_config.kv_cache_groups
-    fwd_ctx = llm.llm_engine.vllm_config.compilation_config.static_forward_context
-    done: list[int] = []
-    for key, entry in _hash_map(sched.kv_cache_manager.block_pool).items():
+def _block_parts(fwd_ctx: dict[str, Any], read: BlockRead) -> tuple[list[tuple[Any, int | None]], bool]:
+    """The arrays of one (block, layer) and their token axes; True if whole blocks only."""
+    tensors = _layer_states(fwd_ctx, read.layer)
+    if read.kind in ATTENTION_KINDS and len(tensors) == 1 and _attn_backend_name(fwd_ctx, read.layer) == "CPU_ATTN":
+        t = tensors[0]
+        verify_cpu_attn_layout(t.dtype, read.block_size, int(t.shape[-1]) // 2)
+        return split_cpu_attn_block(t[read.block_id], valid_tokens(read.num_tokens, read.block_size)), False
+    # Recurrent states whole; an unknown attention layout whole too (scratch slots included).
+    return [(t[read.block_id], None) for t in tensors], read.kind in ATTENTION_KINDS
+
+
+def read_blocks(worker: Any, reads: list[BlockRead]) -> dict[str, Any]:
+    """Worker side (runs on every rank through ``collective_rpc``): this rank's KV arrays.
+
+    Returns ``{"arrays": {"b<id>|<layer>|<state>": float32 array}, "token_dims": {...},
+    "whole_block_layers": [...]}``; bf16 is widened to float32 exactly.
+    """
+    fwd_ctx = worker.vllm_config.compilation_config.static_forward_context
+    arrays: dict[str, np.ndarray] = {}
+    token_dims: dict[str, int | None] = {}
+    whole: set[str] = set()
+    for read in reads:
+        parts, whole_block = _block_parts(fwd_ctx, read)
+        if whole_block:
+            whole.add(read.layer)
+        for si, (part, tdim) in enumerate(parts):
+            token_dims[f"{read.layer}|{si}"] = tdim
+            arrays[f"b{read.block_id}|{read.layer}|{si}"] = part.detach().to("cpu").float().contiguous().numpy().copy()
+    return {"arrays": arrays, "token_dims": token_dims, "whole_block_layers": sorted(whole)}
+
+
+def corrupt_blocks(worker: Any, block_layers: list[tuple[int, str]]) -> None:
+    """Worker side: add 1.0 to every KV state of the given (block, layer) pairs."""
+    fwd_ctx = worker.vllm_config.compilation_config.static_forward_context
+    for block_id, layer in block_layers:
+        for t in _layer_states(fwd_ctx, layer):
+            t[block_id] += 1.0
+
+
+def prefix_blocks(scheduler: Any, prefix_tokens: int) -> list[tuple[int, str]]:
+    """EngineCore side: (block, attention layer) pairs of the cached blocks whose primary
+    hash covers exactly ``prefix_tokens`` leading tokens (the negative KV control's target)."""
+    groups = scheduler.kv_cache_config.kv_cache_groups
+    out: dict[tuple[int, str], None] = {}
+    for key, entry in _hash_map(scheduler.kv_cache_manager.block_pool).items():
         gid = int.from_bytes(key[-4:], "big")
         if type(groups[gid].kv_cache_spec).__name__ not in ATTENTION_KINDS:
             continue
         for blk in _blocks_of(entry):
-            if blk.block_hash_num_tokens != prefix_tokens or blk.block_id in done:
-                continue
-            for layer in groups[gid].layer_names:
-                for t in _layer_states(fwd_ctx, layer):
-                    t[blk.block_id] += 1.0
-            done.append(int(blk.block_id))
-    return done
+            if blk.block_hash_num_tokens == prefix_tokens:
+                out.update(((int(blk.block_id), layer), None) for layer in groups[gid].layer_names)
+    return list(out)

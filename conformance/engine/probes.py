@@ -1,4 +1,6 @@
-"""Harness-only instrumentation of a running in-process engine (identical in every engine).
+"""Harness-only instrumentation of a running engine's scheduler (identical in every engine).
+
+It runs in the EngineCore process, on the scheduler object `EngineHandle.core` gives.
 
 Everything here patches *instance* attributes of one engine's scheduler objects, never
 classes, so a probe lives and dies with its ``LLM`` and nothing leaks into the next case.
@@ -18,6 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from conformance.results import ProbeRecord, StepRecord
 
 
 @dataclass
@@ -61,22 +65,20 @@ class EngineProbe:
     def copy_batches(self) -> int:
         return sum(1 for s in self.steps if s.copies)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "steps": [dict(s.__dict__) for s in self.steps],
-            "schedule_fingerprint": [list(fp) for fp in self.schedule_fingerprint],
-            "copies_total": self.copies_total,
-            "copy_batches": self.copy_batches,
-            "preemptions_counted": self.preemptions_counted,
-            "partial_prefix_hits": self.partial_prefix_hits,
-            "prefix_hit_admissions": self.prefix_hit_admissions,
-        }
+    def record(self) -> ProbeRecord:
+        return ProbeRecord(
+            steps=[StepRecord(**s.__dict__) for s in self.steps],
+            schedule_fingerprint=[list(fp) for fp in self.schedule_fingerprint],
+            copies_total=self.copies_total,
+            copy_batches=self.copy_batches,
+            preemptions_counted=self.preemptions_counted,
+            partial_prefix_hits=self.partial_prefix_hits,
+            prefix_hit_admissions=self.prefix_hit_admissions,
+        )
 
 
-def install_probe(llm: Any, memory_sampler: Callable[[], int]) -> EngineProbe:
+def install_probe(sched: Any, memory_sampler: Callable[[], int]) -> EngineProbe:
     """Wrap the running engine's scheduler instance methods; return the live counters."""
-    core = llm.llm_engine.engine_core.engine_core
-    sched = core.scheduler
     probe = EngineProbe(block_size=int(sched.block_size), memory_sampler=memory_sampler)
 
     orig_schedule = sched.schedule
@@ -128,31 +130,3 @@ def install_probe(llm: Any, memory_sampler: Callable[[], int]) -> EngineProbe:
 
     kvm.get_computed_blocks = get_computed_blocks
     return probe
-
-
-def scheduler_that_ran(llm: Any) -> dict[str, Any]:
-    """What really ran, read from the engine, never from the requested arguments."""
-    core = llm.llm_engine.engine_core.engine_core
-    return {
-        "scheduler_type": type(core.scheduler).__name__,
-        "batch_queue": core.batch_queue is not None,
-        "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
-    }
-
-
-def engine_metrics(llm: Any) -> dict[str, float]:
-    """Counters from vLLM's own metrics (needs ``disable_log_stats=False``)."""
-    wanted = {
-        "vllm:num_preemptions": "preemptions",
-        "vllm:prefix_cache_queries": "prefix_cache_queries",
-        "vllm:prefix_cache_hits": "prefix_cache_hits",
-    }
-    out: dict[str, float] = {}
-    for m in llm.get_metrics():
-        key = wanted.get(m.name)
-        if key is not None:
-            out[key] = out.get(key, 0.0) + float(m.value)
-    missing = set(wanted.values()) - set(out)
-    if missing:
-        raise RuntimeError(f"engine metrics missing {sorted(missing)}; is disable_log_stats=False?")
-    return out

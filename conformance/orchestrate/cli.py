@@ -12,11 +12,15 @@ import datetime as _dt
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from conformance import cases as C
-from conformance.orchestrate.compare import ParityRow, RequestParity, compare_results
-from conformance.orchestrate.runner import RunConfig, Runner, base_case
+from conformance.orchestrate.compare import compare_results
+from conformance.orchestrate.parity import ParityRow, RequestParity
+from conformance.orchestrate.progress import RunProgress
+from conformance.orchestrate.runner import ChildOutcome, RunConfig, Runner, base_case, planned_runs
+from conformance.results import CaseResult
 
 EPILOG = """
 Sides and processes:
@@ -129,37 +133,27 @@ def _check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if (err := _check_args(args)) is not None:
-        print(f"conformance: {err}", file=sys.stderr)
-        return 2
-    cases = select_cases(args)
-    if not cases:
-        print("conformance: no case selected", file=sys.stderr)
-        return 2
-    if args.list:
-        for c in cases:
-            print(c.case_id)
-        return 0
+def _plugin_status(candidate: str) -> str | None:
+    """The plugin's status line for the report; None (after saying why) if it cannot run."""
+    try:
+        import kvcached.integration.vllm.plugin  # noqa: F401 - importable is all this checks
+    except ImportError as e:
+        if candidate == "kvcached":
+            print(
+                f"conformance: kvcached's vLLM plugin is not importable ({e}).\n"
+                "Build/install kvcached, or run the harness self-test with --candidate native.",
+                file=sys.stderr,
+            )
+            return None
+        return f"plugin missing: {e}"
+    return "plugin importable"
 
-    from conformance.engine.kvcached_probe import plugin_importable
 
-    plugin_ok, plugin_err = plugin_importable()
-    plugin_status = "plugin importable" if plugin_ok else f"plugin missing: {plugin_err}"
-    if args.candidate == "kvcached" and not plugin_ok:
-        print(
-            f"conformance: kvcached's vLLM plugin is not importable ({plugin_err}).\n"
-            "Build/install kvcached, or run the harness self-test with --candidate native.",
-            file=sys.stderr,
-        )
-        return 2
-
+def _config(args: argparse.Namespace) -> RunConfig:
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     run_id = args.run_id or f"{stamp}-{args.candidate}-{'quick' if args.quick else 'full'}"
-    run_dir = args.reports_dir / run_id
-    cfg = RunConfig(
-        run_dir=run_dir,
+    return RunConfig(
+        run_dir=args.reports_dir / run_id,
         candidate=args.candidate,
         page_size=args.page_size,
         kv_cache_bytes=args.kv_cache_bytes,
@@ -169,71 +163,69 @@ def main(argv: Sequence[str] | None = None) -> int:
         isolate_knob_cases=args.isolate_knob_cases,
     )
 
-    def say(msg: str) -> None:
-        print(msg, flush=True)
 
+@dataclass
+class Collected:
+    """Everything the report needs, gathered while the archetypes run."""
+
+    rows: list[ParityRow] = field(default_factory=list)
+    per_case: list[tuple[ParityRow, list[RequestParity]]] = field(default_factory=list)
+    memory: dict[str, list[tuple[str, list[int]]]] = field(default_factory=lambda: {"reference": [], "candidate": []})
+
+    def add(self, case: C.Case, row: ParityRow, reqs: list[RequestParity], ref: CaseResult, oth: CaseResult) -> None:
+        self.rows.append(row)
+        self.per_case.append((row, reqs))
+        if not case.is_control:
+            for side, res in (("reference", ref), ("candidate", oth)):
+                self.memory[side].append((case.case_id, [s.mapped_bytes for s in res.probe.steps] if res.probe else []))
+
+
+def _compare_archetype(runner: Runner, cases: list[C.Case], out: Collected, progress: RunProgress) -> None:
+    for c in cases:
+        side, ref_case = ("control" if c.is_control else "candidate"), base_case(c)
+        ref, oth = runner.load("reference", ref_case), runner.load(side, c)
+        row, reqs = compare_results(
+            c, ref, oth, runner.npz_path("reference", ref_case), runner.npz_path(side, c), runner.cfg.async_override
+        )
+        out.add(c, row, reqs, ref, oth)
+        progress.log(
+            f"    {'PASS' if row.passed else 'FAIL'} {c.case_id}: {row.verdict}; {row.exact_matches}/{row.requests} "
+            f"exact, KV {row.kv_blocks_identical}/{row.kv_blocks_compared}, copies {row.cow_copies_other}, "
+            f"fired {row.injected_failures_fired or '-'}, preempt {row.preemptions_other}"
+        )
+        for p in row.problems:
+            progress.log(f"         problem: {p}")
+
+
+def _run_matrix(cfg: RunConfig, cases: list[C.Case], progress: RunProgress) -> tuple[Runner, Collected]:
+    """Every archetype's engine processes, then its comparisons."""
+    runner = Runner(cfg, progress.log, lambda side, cid, secs, ok: progress.advance(f"{side} {cid}", ok, secs))
+    out = Collected()
     archetypes = list(dict.fromkeys(c.archetype.name for c in cases))
-    n_ctrl = sum(c.is_control for c in cases)
-    say(
-        f"[conformance] run {run_id}: {len(cases) - n_ctrl} cases + {n_ctrl} controls, candidate={args.candidate}, "
-        f"archetypes={','.join(archetypes)}"
-    )
-    say(f"[conformance] results under {run_dir}")
-    t0 = time.monotonic()
-    runner = Runner(cfg, say)
-    rows: list[ParityRow] = []
-    per_case: list[tuple[ParityRow, list[RequestParity]]] = []
-    memory: dict[str, list[tuple[str, list[int]]]] = {"reference": [], "candidate": []}
     for i, arch in enumerate(archetypes, 1):
         arch_cases = [c for c in cases if c.archetype.name == arch]
-        say(f"[{i}/{len(archetypes)}] {arch}: {len(arch_cases)} case(s)  (elapsed {time.monotonic() - t0:.0f} s)")
+        progress.log(f"[{i}/{len(archetypes)}] {arch}: {len(arch_cases)} case(s)")
         runner.run_archetype(arch, arch_cases)
-        for c in arch_cases:
-            ref_case = base_case(c)
-            side = "control" if c.is_control else "candidate"
-            ref = runner.load("reference", ref_case)
-            oth = runner.load(side, c)
-            ref_npz = runner.raw / "reference" / f"{ref_case.case_id}.npz"
-            oth_npz = runner.raw / side / f"{c.case_id}.npz"
-            row, reqs = compare_results(
-                c,
-                ref,
-                oth,
-                ref_npz if ref_npz.is_file() else None,
-                oth_npz if oth_npz.is_file() else None,
-                async_override=cfg.async_override,
-            )
-            rows.append(row)
-            per_case.append((row, reqs))
-            if not c.is_control:
-                memory["reference"].append(
-                    (c.case_id, [s["mapped_bytes"] for s in ref.get("probe", {}).get("steps", [])])
-                )
-                memory["candidate"].append(
-                    (c.case_id, [s["mapped_bytes"] for s in oth.get("probe", {}).get("steps", [])])
-                )
-            mark = "PASS" if row.passed else "FAIL"
-            say(
-                f"    {mark} {c.case_id}: {row.verdict}; {row.exact_matches}/{row.requests} exact, "
-                f"KV {row.kv_blocks_identical}/{row.kv_blocks_compared}, copies {row.cow_copies_other}, "
-                f"fired {row.injected_failures_fired or '-'}, preempt {row.preemptions_other}"
-            )
-            for p in row.problems:
-                say(f"         problem: {p}")
-    if not args.keep_kv:
-        for npz in (runner.raw).rglob("*.npz"):
-            npz.unlink()
+        _compare_archetype(runner, arch_cases, out, progress)
+    return runner, out
 
-    process_issues = []
-    for ch in runner.children:
+
+def process_issues(children: Sequence[ChildOutcome]) -> list[str]:
+    """Engine processes that timed out, exited non-zero, or printed a traceback."""
+    issues = []
+    for ch in children:
         if ch.timed_out:
-            process_issues.append(f"{ch.label}: timed out ({ch.log_path})")
+            issues.append(f"{ch.label}: timed out ({ch.log_path})")
         elif ch.returncode != 0:
-            process_issues.append(f"{ch.label}: exit status {ch.returncode} ({ch.log_path})")
+            issues.append(f"{ch.label}: exit status {ch.returncode} ({ch.log_path})")
         for tb in ch.tracebacks:
             first = tb.splitlines()[-1] if tb else ""
-            process_issues.append(f"{ch.label}: traceback in log ({ch.log_path}): {first}")
+            issues.append(f"{ch.label}: traceback in log ({ch.log_path}): {first}")
+    return issues
 
+
+def _write(args: argparse.Namespace, cfg: RunConfig, cases: list[C.Case], out: Collected, issues: list[str],
+           plugin_status: str, wall: float) -> Path:
     from conformance.orchestrate import report
 
     settings = {
@@ -244,24 +236,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         "engine_env": "VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONHASHSEED=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1",
     }
     env = report.environment(report.python_command(), settings, plugin_status)
-    candidate_name = "KVCached" if args.candidate == "kvcached" else "Native candidate (harness self-test)"
-    wall = time.monotonic() - t0
-    md = report.write_report(
-        run_dir,
-        args.reports_dir / "latest",
-        rows,
-        per_case,
-        env,
-        candidate_name,
-        {c.case_id: c for c in cases},
-        memory,
-        process_issues,
-        wall,
-    )
-    failed = [r for r in rows if not r.passed]
-    say(
-        f"[conformance] {len(rows) - len(failed)}/{len(rows)} comparisons passed, "
-        f"{len(process_issues)} process issue(s), {wall:.0f} s; report: {md}"
-    )
-    return 0 if not failed and not process_issues else 1
+    name = "KVCached" if args.candidate == "kvcached" else "Native candidate (harness self-test)"
+    return report.write_report(
+        cfg.run_dir, args.reports_dir / "latest", out.rows, out.per_case, env, name,
+        {c.case_id: c for c in cases}, out.memory, issues, wall,
+    )  # fmt: skip
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if (err := _check_args(args)) is not None:
+        print(f"conformance: {err}", file=sys.stderr)
+        return 2
+    if not (cases := select_cases(args)):
+        print("conformance: no case selected", file=sys.stderr)
+        return 2
+    if args.list:
+        print("\n".join(c.case_id for c in cases))
+        return 0
+    if (plugin_status := _plugin_status(args.candidate)) is None:
+        return 2
+    cfg, t0 = _config(args), time.monotonic()
+    n_ctrl = sum(c.is_control for c in cases)
+    with RunProgress(planned_runs(cases), "conformance") as progress:
+        progress.log(f"[conformance] run {cfg.run_dir.name}: {len(cases) - n_ctrl} cases + {n_ctrl} controls, "
+                     f"candidate={args.candidate}; results under {cfg.run_dir}")
+        runner, out = _run_matrix(cfg, cases, progress)
+    if not args.keep_kv:
+        for npz in runner.raw.rglob("*.npz"):
+            npz.unlink()
+    issues = process_issues(runner.children)
+    wall = time.monotonic() - t0
+    md = _write(args, cfg, cases, out, issues, plugin_status, wall)
+    failed = [r for r in out.rows if not r.passed]
+    print(f"[conformance] {len(out.rows) - len(failed)}/{len(out.rows)} comparisons passed, "
+          f"{len(issues)} process issue(s), {wall:.0f} s; report: {md}", flush=True)
+    return 0 if not failed and not issues else 1

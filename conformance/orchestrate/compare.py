@@ -1,26 +1,28 @@
 """Comparator: one reference result and one other result (candidate or control) -> ParityRow.
 
-Rules (``ParityRow.passed``):
+The comparison is a pipeline of small named stages, each testable alone:
 
-* Every request of both engines completes (finished, ``max_tokens`` tokens, reason
-  "length") and no engine reported an error.
-* Token IDs are identical for every request. This holds whatever the schedule was.
-* If both engines ran the same schedule (identical per-step request/token fingerprints),
-  KV bytes of every block both hold under the same prefix hash and every top-k logprob are
-  exactly equal. If the schedule differed (a fault plan refused an allocation, a budget
-  forced preemption), differences are allowed but reported with their size and the step
-  where the schedules parted: CPU kernels block their loops by batch shape, so the same
-  token can get last-bit-different values in a different batch.
-* Fault plans must fire exactly as planned; a budget plan must cause preemptions; a partial
-  prefix pattern must make copy-on-write copies; an async case must really have run the
-  async scheduler (when the harness override is on).
-* Negative controls invert the verdict: they pass only when a mismatch is detected.
+1. `token_parity`: every request's token IDs (with the reference's replay oracle for
+   requests on which native vLLM itself is history-dependent);
+2. `logprob_parity`: top-k logprobs up to and including each request's first divergence;
+3. `kv_parity`: the KV bytes of every block both engines hold under the same prefix hash;
+4. `schedule_parity`: whether both engines ran the same per-step schedule;
+5. `fact_checks`: fault plans fired as planned, the budget forced preemption, kvcached
+   copied what the scheduler asked, the scheduler that ran is the one asked for, the
+   pattern covered what it exists for;
+6. `control_verdict` / `candidate_verdict`: negative controls pass only when a mismatch is
+   detected; everything else passes only when tokens are exact and, with the same schedule,
+   KV and logprobs are bit-identical (a changed schedule explains numeric differences, since
+   CPU kernels block their loops by batch shape).
+
+Rules (``ParityRow.passed``): every request of both engines completes and no engine
+reported an error; token IDs are identical for every request whatever the schedule was.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +30,31 @@ import numpy as np
 
 from conformance.cases import Case, Control, Scheduling
 from conformance.orchestrate.parity import KvComparison, LogprobComparison, ParityRow, RequestParity
+from conformance.results import CaseResult, KvSnapshotMeta, RequestRecord, SchedulerRan
 
 
-def _complete(req: dict[str, Any], max_tokens: int) -> bool:
-    return bool(req["finished"]) and req["finish_reason"] == "length" and len(req["token_ids"]) == max_tokens
+@dataclass
+class Findings:
+    """What a stage found: problems fail the comparison, explanations are reported."""
+
+    problems: list[str] = field(default_factory=list)
+    explanations: list[str] = field(default_factory=list)
+
+    def extend(self, other: Findings) -> None:
+        self.problems += other.problems
+        self.explanations += other.explanations
+
+
+@dataclass(frozen=True)
+class Pair:
+    """The inputs of one comparison."""
+
+    case: Case
+    ref: CaseResult
+    other: CaseResult
+    ref_kv: Path | None
+    other_kv: Path | None
+    async_override: bool
 
 
 def _first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -41,14 +64,69 @@ def _first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def compare_logprobs(a: list[list[list[float]]], b: list[list[list[float]]], upto: int) -> LogprobComparison:
+# ---- stage 1: tokens ---------------------------------------------------------------------
+@dataclass
+class TokenParity:
+    requests: list[RequestParity]
+    unstable: set[str]  # rids on which native vLLM is history-dependent (replay oracle)
+    findings: Findings
+
+    @property
+    def stable(self) -> list[RequestParity]:
+        return [p for p in self.requests if p.rid not in self.unstable]
+
+    @property
+    def exact(self) -> bool:
+        return bool(self.requests) and all(p.exact for p in self.stable)
+
+    @property
+    def divergences(self) -> list[RequestParity]:
+        return [p for p in self.requests if not p.exact]
+
+
+def _request_parity(a: RequestRecord, b: RequestRecord, max_tokens: int) -> RequestParity:
+    fd = _first_divergence(a.token_ids, b.token_ids)
+    return RequestParity(
+        rid=a.rid, label=a.label, pass_no=a.pass_no, prompt_len=a.prompt_len,
+        ref_tokens=len(a.token_ids), other_tokens=len(b.token_ids), exact=fd is None, first_divergence=fd,
+        ref_cached=a.num_cached_tokens, other_cached=b.num_cached_tokens,
+        ref_complete=a.complete(max_tokens), other_complete=b.complete(max_tokens),
+        logprobs_equal=True, logprob_max_abs_diff=0.0,
+    )  # fmt: skip
+
+
+def _unstable(ref: CaseResult) -> set[str]:
+    own = {r.rid: r.token_ids for r in ref.requests or []}
+    return {rid for rid, reps in ref.replay.items() if any(x != own.get(rid) for x in reps)}
+
+
+def token_parity(case: Case, ref: CaseResult, other: CaseResult) -> TokenParity:
+    """Per-request token parity; divergences on native-unstable requests are explained."""
+    ref_reqs, oth_reqs = ref.requests or [], other.requests or []
+    out = TokenParity([], _unstable(ref), Findings())
+    if [r.rid for r in ref_reqs] != [r.rid for r in oth_reqs]:
+        out.findings.problems.append("request lists differ between engines")
+    out.requests = [_request_parity(a, b, case.max_tokens) for a, b in zip(ref_reqs, oth_reqs, strict=False)]
+    for p in out.requests:
+        p.native_history_dependent = p.rid in out.unstable
+    explained = [p.rid for p in out.divergences if p.rid in out.unstable]
+    if explained:
+        own = {r.rid: r.token_ids for r in ref_reqs}
+        out.findings.explanations.append(
+            f"{len(explained)} request(s) ({', '.join(explained)}) differ where native vLLM itself is "
+            "history-dependent: replaying these short prompts in the reference engine gave other tokens "
+            f"(e.g. {own[explained[0]][:4]} then {ref.replay[explained[0]][0][:4]})"
+        )
+    return out
+
+
+# ---- stage 2: logprobs -------------------------------------------------------------------
+def compare_logprobs(a: list[Any], b: list[Any], upto: int) -> LogprobComparison:
     """Compare top-k logprobs position by position up to ``upto`` (the first token divergence)."""
     out = LogprobComparison()
     for pa, pb in zip(a[:upto], b[:upto], strict=False):
         out.positions += 1
-        ids_a = [(int(t), int(r)) for t, _, r in pa]
-        ids_b = [(int(t), int(r)) for t, _, r in pb]
-        if ids_a != ids_b:
+        if [(int(t), int(r)) for t, _, r in pa] != [(int(t), int(r)) for t, _, r in pb]:
             out.equal = False
             out.topk_set_differs += 1
         vb = {int(t): lp for t, lp, _ in pb}
@@ -63,10 +141,29 @@ def compare_logprobs(a: list[list[list[float]]], b: list[list[list[float]]], upt
     return out
 
 
-def _arr(npz: Any, name: str) -> np.ndarray:
-    return np.asarray(npz[name])
+@dataclass(frozen=True)
+class LogprobParity:
+    equal: bool  # over native-stable requests
+    max_abs_diff: float  # over every request
+    topk_set_differs: int  # over native-stable requests
 
 
+def logprob_parity(ref: CaseResult, other: CaseResult, tokens: TokenParity) -> LogprobParity:
+    """Fill each request's logprob fields; the distribution at the first divergent position
+    is still conditioned on identical context, so it is compared too."""
+    for p, a, b in zip(tokens.requests, ref.requests or [], other.requests or [], strict=False):
+        upto = p.first_divergence + 1 if p.first_divergence is not None else len(a.token_ids)
+        lpc = compare_logprobs(a.logprobs, b.logprobs, upto)
+        p.logprobs_equal, p.logprob_max_abs_diff, p.topk_set_differs = lpc.equal, lpc.max_abs_diff, lpc.topk_set_differs
+    stable = tokens.stable
+    return LogprobParity(
+        equal=all(p.logprobs_equal for p in stable),
+        max_abs_diff=max((p.logprob_max_abs_diff for p in tokens.requests), default=0.0),
+        topk_set_differs=sum(p.topk_set_differs for p in stable),
+    )
+
+
+# ---- stage 3: KV bytes through the prefix-hash map ----------------------------------------
 def _max_abs(a: np.ndarray, b: np.ndarray) -> float:
     if a.shape != b.shape:
         return math.inf
@@ -85,18 +182,43 @@ def _content_sets(
     """
     if tdim is not None:
         v = min(a.shape[tdim] for _, a in ref_arrays + oth_arrays)
-        return [
-            (
-                [np.take(a, range(v), axis=tdim) for _, a in ref_arrays],
-                [np.take(a, range(v), axis=tdim) for _, a in oth_arrays],
-            )
+        cut = [np.take(a, range(v), axis=tdim) for _, a in ref_arrays], [
+            np.take(a, range(v), axis=tdim) for _, a in oth_arrays
         ]
+        return [cut]
     lens = sorted({n for n, _ in ref_arrays} & {n for n, _ in oth_arrays})
     return [([a for n, a in ref_arrays if n == L], [a for n, a in oth_arrays if n == L]) for L in lens]
 
 
-def compare_kv(ref_meta: dict[str, Any], ref_npz: Any, oth_meta: dict[str, Any], oth_npz: Any) -> KvComparison:
-    """Compare the KV content of every (hash key, layer) both engines cache.
+def _state_indices(npz: Any, name: str) -> list[int]:
+    """``name`` is ``<rank prefix>b<block>|<layer>``; the states stored for it."""
+    out = []
+    while f"{name}|{len(out)}" in npz.files:
+        out.append(len(out))
+    if not out:
+        raise KeyError(f"KV snapshot lacks arrays for {name}")
+    return out
+
+
+def _compare_sets(out: KvComparison, groups: list[tuple[list[np.ndarray], list[np.ndarray]]], where: str) -> tuple[bool, bool]:
+    """Compare grouped contents; returns (identical, some engine holds several variants)."""
+    ok, variants = True, False
+    for ref_list, oth_list in groups:
+        rset = {a.tobytes(): a for a in ref_list}
+        oset = {a.tobytes(): a for a in oth_list}
+        variants |= len(rset) > 1 or len(oset) > 1
+        if rset.keys() != oset.keys():
+            ok = False
+            # Distance of each content to the nearest content of the other engine.
+            for a in list(rset.values()) + list(oset.values()):
+                others = oset.values() if a.tobytes() in rset else rset.values()
+                out.max_abs_diff = max(out.max_abs_diff, min(_max_abs(a, b) for b in others))
+            out.first_mismatch = out.first_mismatch or where
+    return ok, variants
+
+
+def compare_kv(ref_meta: KvSnapshotMeta, ref_npz: Any, oth_meta: KvSnapshotMeta, oth_npz: Any) -> KvComparison:
+    """Compare the KV content of every (hash key, layer, rank) both engines cache.
 
     Block IDs are engine-private (kvcached may place blocks differently), so blocks are not
     paired by ID: an entry is identical when the set of distinct contents held under the
@@ -104,69 +226,235 @@ def compare_kv(ref_meta: dict[str, Any], ref_npz: Any, oth_meta: dict[str, Any],
     holds blocks with different contents (reported, since it is vLLM's own behaviour).
     """
     out = KvComparison()
-    rk, ok = ref_meta["keys"], oth_meta["keys"]
-    out.only_reference = len(set(rk) - set(ok))
-    out.only_other = len(set(ok) - set(rk))
-    tdims = {**ref_meta.get("token_dims", {}), **oth_meta.get("token_dims", {})}
+    rk, ok = ref_meta.keys, oth_meta.keys
+    out.only_reference, out.only_other = len(set(rk) - set(ok)), len(set(ok) - set(rk))
+    if ref_meta.ranks != oth_meta.ranks:
+        out.first_mismatch = f"ranks differ: {ref_meta.ranks} != {oth_meta.ranks}"
+        return out
+    tdims = {**ref_meta.token_dims, **oth_meta.token_dims}
     for key in sorted(set(rk) & set(ok)):
-        ra, oa = rk[key], ok[key]
-        key_has_variants = False
-        for layer in ra["layers"]:
-            entry_ok = True
-            entry_compared = False
-            for si in _state_indices(ref_npz, ra["blocks"], layer):
-                ref_arrays = [(n, _arr(ref_npz, f"b{b}|{layer}|{si}")) for b, n in ra["blocks"]]
-                oth_arrays = [(n, _arr(oth_npz, f"b{b}|{layer}|{si}")) for b, n in oa["blocks"]]
-                groups = _content_sets(ref_arrays, oth_arrays, tdims.get(f"{layer}|{si}"))
-                if not groups:
-                    out.not_comparable += 1
-                    continue
-                for ref_list, oth_list in groups:
-                    entry_compared = True
-                    rset = {a.tobytes(): a for a in ref_list}
-                    oset = {a.tobytes(): a for a in oth_list}
-                    key_has_variants |= len(rset) > 1 or len(oset) > 1
-                    if rset.keys() != oset.keys():
-                        entry_ok = False
-                        # Distance of each content to the nearest content of the other engine.
-                        for a in list(rset.values()) + list(oset.values()):
-                            others = oset.values() if a.tobytes() in rset else rset.values()
-                            out.max_abs_diff = max(out.max_abs_diff, min(_max_abs(a, b) for b in others))
-                        if not out.first_mismatch:
-                            out.first_mismatch = f"{key[:16]}…/{layer}/{si}"
-            if entry_compared:
-                out.compared += 1
-                out.identical += int(entry_ok)
-        out.variants += int(key_has_variants)
+        key_variants = False
+        for layer in rk[key].layers:
+            for rank in range(ref_meta.ranks):
+                prefix = f"r{rank}:" if rank else ""
+                entry = _compare_entry(out, (rk[key], ref_npz), (ok[key], oth_npz), prefix, layer, tdims, key)
+                key_variants |= entry
+        out.variants += int(key_variants)
     return out
 
 
-def _state_indices(npz: Any, blocks: list[list[int]], layer: str) -> list[int]:
-    b = blocks[0][0]
-    out = []
-    si = 0
-    while f"b{b}|{layer}|{si}" in npz.files:
-        out.append(si)
-        si += 1
-    if not out:
-        raise KeyError(f"KV snapshot lacks arrays for block {b} layer {layer}")
-    return out
+def _compare_entry(out: KvComparison, ref: tuple[Any, Any], oth: tuple[Any, Any], prefix: str, layer: str,
+                   tdims: dict[str, int | None], key: str) -> bool:
+    """One (key, layer, rank) entry; counts it in ``out``; returns whether it has variants."""
+    (ra, rn), (oa, on) = ref, oth
+    entry_ok, compared, variants = True, False, False
+    for si in _state_indices(rn, f"{prefix}b{ra.blocks[0][0]}|{layer}"):
+        ref_arrays = [(n, np.asarray(rn[f"{prefix}b{b}|{layer}|{si}"])) for b, n in ra.blocks]
+        oth_arrays = [(n, np.asarray(on[f"{prefix}b{b}|{layer}|{si}"])) for b, n in oa.blocks]
+        groups = _content_sets(ref_arrays, oth_arrays, tdims.get(f"{layer}|{si}"))
+        if not groups:
+            out.not_comparable += 1
+            continue
+        compared = True
+        ok, v = _compare_sets(out, groups, f"{key[:16]}…/{prefix}{layer}/{si}")
+        entry_ok, variants = entry_ok and ok, variants or v
+    if compared:
+        out.compared += 1
+        out.identical += int(entry_ok)
+    return variants
 
 
-def _sched_name(s: dict[str, Any] | None) -> str:
-    if not s:
-        return "?"
-    name = s["scheduler_type"]
-    if s.get("batch_queue"):
-        name += "+batch_queue"
-    return name
+def kv_parity(pair: Pair) -> tuple[KvComparison, Findings]:
+    found = Findings()
+    ref, oth = pair.ref, pair.other
+    if not (ref.kv_status == "ok" and oth.kv_status == "ok" and ref.kv and oth.kv and pair.ref_kv and pair.other_kv):
+        found.problems.append(f"KV snapshot missing (reference {ref.kv_status}, other {oth.kv_status})")
+        return KvComparison(), found
+    with np.load(pair.ref_kv) as rn, np.load(pair.other_kv) as on:
+        kvc = compare_kv(ref.kv, rn, oth.kv, on)
+    if kvc.variants:
+        found.explanations.append(
+            f"{kvc.variants} prefix-hash key(s) map to blocks whose KV differs inside one engine (vLLM's own "
+            "partial-prefix bookkeeping); compared as sets of contents per key"
+        )
+    return kvc, found
 
 
-def _schedule_divergence(a: list[Any], b: list[Any]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+# ---- stage 4: schedule ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class ScheduleParity:
+    same: bool
+    divergence_step: int | None
+
+
+def schedule_parity(ref: CaseResult, other: CaseResult) -> ScheduleParity:
+    a = ref.probe.schedule_fingerprint if ref.probe else []
+    b = other.probe.schedule_fingerprint if other.probe else []
+    step = _first_divergence(a, b)  # type: ignore[arg-type]
+    return ScheduleParity(step is None, step)
+
+
+# ---- stage 5: facts the case exists to exercise --------------------------------------------
+def _fault_plan_checks(case: Case, other: CaseResult, probe_partial_hits: int) -> tuple[str, Findings]:
+    """A fault plan must fire exactly as planned (and see its trigger, if it has one)."""
+    found = Findings()
+    fired = other.fault.fired if other.fault else None
+    if fired is None:
+        found.problems.append("fault plan: the seam wrote no fired counts (plan never loaded?)")
+        text = "no fired file"
+    else:
+        total = sum(fired.values())
+        text = str(total)
+        if total == 0:
+            found.problems.append("fault plan never fired")
+        elif total != case.fault.expected_fired:
+            found.problems.append(f"fault plan fired {total}x, planned {case.fault.expected_fired}x")
+    if case.fault.needs_partial_hits:
+        if probe_partial_hits == 0:
+            found.problems.append("no real partial-prefix hit, so the trigger could not arm")
+        if "partial_prefix_hit" not in ((other.fault.triggers if other.fault else None) or []):
+            found.problems.append("the seam never saw the partial_prefix_hit trigger")
+    return text, found
+
+
+def _budget_checks(other: CaseResult, preemptions: int, peak: int) -> tuple[str, Findings]:
+    """A physical budget must force preemption, and kvcached must stay within it."""
+    found = Findings()
+    facts = other.kvcached
+    if facts is not None:
+        text = f"budget: {facts.admission_misses} admission misses, {facts.map_failures} map refusals, {preemptions} preemptions"
+    else:
+        text = f"budget: {preemptions} preemptions"
+    if preemptions <= 0:
+        found.problems.append("physical budget caused no preemption (engine metrics)")
+    budget = other.plan.budget.kvcached_budget_bytes if other.plan and other.plan.budget else 0
+    if facts is not None and budget and peak > budget:
+        found.problems.append(f"kvcached mapped {peak} bytes, over its {budget}-byte budget")
+    return text, found
+
+
+def _scheduler_checks(case: Case, pair: Pair) -> Findings:
+    """An async case must really have run the async scheduler (when the override is on)."""
+    found = Findings()
+    if case.scheduling is not Scheduling.ASYNC:
+        return found
+    for side, res in (("reference", pair.ref), ("other", pair.other)):
+        if res.scheduler is None or not res.scheduler.ran_async:
+            msg = f"{side}: asked async, ran {_sched_name(res.scheduler)}"
+            (found.problems if pair.async_override else found.explanations).append(msg)
+    return found
+
+
+def fact_checks(pair: Pair, row: ParityRow) -> Findings:
+    """Stage 5: fault plans, budget, kvcached's copy counters, scheduler, pattern coverage.
+
+    Sets ``row.injected_failures_fired``.
+    """
+    case, other, found = pair.case, pair.other, Findings()
+    if case.fault.rules and case.control is Control.NONE:
+        row.injected_failures_fired, f = _fault_plan_checks(case, other, row.partial_prefix_hits_other)
+        found.extend(f)
+    if case.fault.physical_budget and case.control is Control.NONE:
+        row.injected_failures_fired, f = _budget_checks(other, row.preemptions_other, row.peak_mapped_bytes_other)
+        found.extend(f)
+    if other.kvcached is not None and other.kvcached.copies.block_copies != row.cow_copies_other:
+        found.problems.append(
+            f"kvcached copied {other.kvcached.copies.block_copies} block pair(s) but the scheduler asked for "
+            f"{row.cow_copies_other}"
+        )
+    found.extend(_scheduler_checks(case, pair))
+    if case.pattern.value == "partial" and row.cow_copies_reference == 0:
+        found.problems.append("partial-prefix pattern made no copy-on-write copy")
+    return found
+
+
+# ---- stage 6: verdicts ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Evidence:
+    """What the verdict stages weigh."""
+
+    tokens: TokenParity
+    logprobs: LogprobParity
+    kv: KvComparison
+    schedule: ScheduleParity
+
+    @property
+    def kv_exact(self) -> bool:
+        return self.kv.compared == self.kv.identical
+
+    @property
+    def mismatch_found(self) -> bool:
+        return not self.tokens.exact or not self.kv_exact or not self.logprobs.equal
+
+
+def control_verdict(row: ParityRow, ev: Evidence, found: Findings) -> None:
+    """Negative controls invert the verdict: they pass only when a mismatch is detected."""
+    if [p for p in found.problems if "error" in p or "missing" in p]:
+        row.verdict = "error"
+    elif ev.mismatch_found:
+        row.verdict, row.passed = "mismatch detected (expected)", True
+        what = []
+        if not ev.tokens.exact:
+            what.append(f"{row.requests - row.exact_matches} requests' tokens differ")
+        if not ev.kv_exact:
+            what.append(f"{ev.kv.compared - ev.kv.identical} KV blocks differ (max |Δ| {ev.kv.max_abs_diff:.3g})")
+        if not ev.logprobs.equal:
+            what.append(
+                f"logprobs differ (max |Δ| {ev.logprobs.max_abs_diff:.3g}, top-k sets differ at "
+                f"{ev.logprobs.topk_set_differs} positions)"
+            )
+        found.explanations.append("negative control caught: " + ", ".join(what))
+        found.problems = []
+    else:
+        row.verdict = "NOT DETECTED"
+        found.problems.append("negative control was not reported as a mismatch")
+
+
+def _numeric_findings(case: Case, ev: Evidence, found: Findings) -> None:
+    """With the same schedule KV and logprobs must be bit-identical; otherwise explained."""
+    lp, kv, step = ev.logprobs, ev.kv, ev.schedule.divergence_step
+    if ev.schedule.same:
+        if not ev.kv_exact:
+            found.problems.append(f"same schedule but KV differs ({kv.first_mismatch}, max |Δ| {kv.max_abs_diff:.3g})")
+        if not lp.equal:
+            found.problems.append(
+                f"same schedule but logprobs differ (max |Δ| {lp.max_abs_diff:.3g} over shared top-k tokens; "
+                f"top-k sets differ at {lp.topk_set_differs} positions)"
+            )
+    elif not ev.kv_exact or not lp.equal:
+        cause = case.fault.name if not case.fault.is_none else "batching"
+        found.explanations.append(
+            f"schedule diverged at step {step} ({cause}); largest |ΔKV| {kv.max_abs_diff:.3g}, "
+            f"|Δlogprob| {lp.max_abs_diff:.3g}: the same tokens computed in differently shaped batches can "
+            "differ in the last bits on CPU"
+        )
+    else:
+        found.explanations.append(f"schedule diverged at step {step}, yet KV and logprobs are bit-identical")
+
+
+def candidate_verdict(case: Case, row: ParityRow, ev: Evidence, found: Findings) -> None:
+    """Tokens exact always; KV and logprobs exact under the same schedule."""
+    if not (row.complete_reference == row.requests and row.complete_other == row.requests):
+        found.problems.append(
+            f"incomplete requests: reference {row.complete_reference}, other {row.complete_other} of {row.requests}"
+        )
+    if not ev.tokens.exact:
+        bad = [p for p in ev.tokens.stable if not p.exact]
+        first = min(bad, key=lambda p: p.first_divergence or 0)
+        found.problems.append(f"token mismatch in {len(bad)} request(s), first {first.rid}@{first.first_divergence}")
+    _numeric_findings(case, ev, found)
+    row.passed = not found.problems
+    if row.passed and ev.tokens.unstable and row.exact_matches < row.requests:
+        row.verdict = "exact where native is self-consistent"
+    elif row.passed:
+        row.verdict = "exact" if (ev.kv_exact and ev.logprobs.equal) else "tokens exact, numeric diff explained"
+    else:
+        row.verdict = "error" if any("error" in p for p in found.problems) else "MISMATCH"
+
+
+# ---- the pipeline ----------------------------------------------------------------------------------
+def _sched_name(s: SchedulerRan | None) -> str:
+    return s.name if s is not None else "?"
 
 
 def comparison_label(case: Case, other_engine: str) -> str:
@@ -177,293 +465,91 @@ def comparison_label(case: Case, other_engine: str) -> str:
     return f"negative control: {case.control.value}"
 
 
+def _new_row(pair: Pair) -> ParityRow:
+    """The row before any stage ran: identity, what ran, memory, and zero counts."""
+    case, ref, other = pair.case, pair.ref, pair.other
+    zero = {f: 0 for f in ParityRow.COUNT_FIELDS}
+    return ParityRow(
+        case_id=case.case_id, comparison=comparison_label(case, other.engine), archetype=case.archetype.name,
+        scheduling=case.scheduling.value, pattern=case.pattern.value, lengths=case.lengths.value,
+        prefix_caching=case.prefix_caching, fault_plan=case.fault.name, control=case.control.value,
+        fault_seam=other.fault_seam or "", scheduler_reference=_sched_name(ref.scheduler),
+        scheduler_other=_sched_name(other.scheduler),
+        async_scheduling_reference=ref.scheduler.async_scheduling if ref.scheduler else None,
+        async_scheduling_other=other.scheduler.async_scheduling if other.scheduler else None,
+        first_divergence="", kv_max_abs_diff=0.0, logprobs_equal=False, logprob_max_abs_diff=0.0,
+        injected_failures_fired="", injected_failures_expected=case.fault.expected_fired,
+        peak_mapped_bytes_reference=ref.mapped_bytes_peak, peak_mapped_bytes_other=other.mapped_bytes_peak,
+        final_mapped_bytes_reference=ref.mapped_bytes_final, final_mapped_bytes_other=other.mapped_bytes_final,
+        same_schedule=False, schedule_divergence_step=None, verdict="error", passed=False,
+        wall_s_reference=ref.t_total or 0.0, wall_s_other=other.t_total or 0.0, **zero,
+    )  # fmt: skip
+
+
+def _fill_counts(row: ParityRow, pair: Pair, ev: Evidence) -> None:
+    ref, other, reqs = pair.ref, pair.other, ev.tokens.requests
+    ref_reqs, oth_reqs = ref.requests or [], other.requests or []
+    row.requests = len(ref_reqs)
+    row.complete_reference = sum(p.ref_complete for p in reqs)
+    row.complete_other = sum(p.other_complete for p in reqs)
+    row.output_tokens_reference = sum(len(r.token_ids) for r in ref_reqs)
+    row.output_tokens_other = sum(len(r.token_ids) for r in oth_reqs)
+    row.expected_output_tokens = pair.case.max_tokens * len(ref_reqs)
+    row.exact_matches = sum(p.exact for p in reqs)
+    row.native_unstable_requests = len(ev.tokens.unstable)
+    if divs := ev.tokens.divergences:
+        first = min(divs, key=lambda p: p.first_divergence or 0)
+        row.first_divergence = f"{first.rid}@{first.first_divergence} ({len(divs)} req)"
+    row.logprobs_equal, row.logprob_max_abs_diff = ev.logprobs.equal, ev.logprobs.max_abs_diff
+    row.prefix_hit_tokens_reference = sum(r.num_cached_tokens for r in ref_reqs)
+    row.prefix_hit_tokens_other = sum(r.num_cached_tokens for r in oth_reqs)
+    assert ref.probe is not None and other.probe is not None and ref.metrics and other.metrics
+    row.cow_copies_reference, row.cow_copies_other = ref.probe.copies_total, other.probe.copies_total
+    row.partial_prefix_hits_other = other.probe.partial_prefix_hits
+    row.preemptions_reference, row.preemptions_other = int(ref.metrics.preemptions), int(other.metrics.preemptions)
+    row.same_schedule, row.schedule_divergence_step = ev.schedule.same, ev.schedule.divergence_step
+    kv = ev.kv
+    row.kv_blocks_compared, row.kv_blocks_identical = kv.compared, kv.identical
+    row.kv_only_reference, row.kv_only_other, row.kv_key_variants = kv.only_reference, kv.only_other, kv.variants
+    row.kv_max_abs_diff = kv.max_abs_diff
+
+
+def _ran(res: CaseResult) -> bool:
+    return res.error is None and res.requests is not None and res.probe is not None and res.metrics is not None
+
+
+def compare(pair: Pair) -> tuple[ParityRow, list[RequestParity]]:
+    """Run every stage on one pair of results."""
+    row, found = _new_row(pair), Findings()
+    for side, res in (("reference", pair.ref), ("other", pair.other)):
+        if res.error:
+            found.problems.append(f"{side} error: {res.error}")
+    if found.problems or not (_ran(pair.ref) and _ran(pair.other)):
+        row.problems = found.problems or ["missing request results"]
+        return row, []
+    tokens = token_parity(pair.case, pair.ref, pair.other)
+    logprobs = logprob_parity(pair.ref, pair.other, tokens)
+    kv, kv_found = kv_parity(pair)
+    ev = Evidence(tokens, logprobs, kv, schedule_parity(pair.ref, pair.other))
+    _fill_counts(row, pair, ev)
+    for f in (tokens.findings, kv_found, fact_checks(pair, row)):
+        found.extend(f)
+    if pair.case.prefix_caching and kv.compared == 0 and not found.problems:
+        found.problems.append("no KV block compared")
+    if pair.case.control.expects_mismatch:
+        control_verdict(row, ev, found)
+    else:
+        candidate_verdict(pair.case, row, ev, found)
+    row.problems, row.explanations = found.problems, found.explanations
+    return row, tokens.requests
+
+
 def compare_results(
     case: Case,
-    ref: dict[str, Any],
-    other: dict[str, Any],
+    ref: CaseResult,
+    other: CaseResult,
     ref_npz_path: Path | None,
     other_npz_path: Path | None,
     async_override: bool,
 ) -> tuple[ParityRow, list[RequestParity]]:
-    problems: list[str] = []
-    explanations: list[str] = []
-    for side, res in (("reference", ref), ("other", other)):
-        if res.get("error"):
-            problems.append(f"{side} error: {res['error']}")
-    seam = str(other.get("fault_seam") or "")
-    row = ParityRow(
-        case_id=case.case_id,
-        comparison=comparison_label(case, str(other.get("engine", "?"))),
-        archetype=case.archetype.name,
-        scheduling=case.scheduling.value,
-        pattern=case.pattern.value,
-        lengths=case.lengths.value,
-        prefix_caching=case.prefix_caching,
-        fault_plan=case.fault.name,
-        control=case.control.value,
-        fault_seam=seam,
-        scheduler_reference=_sched_name(ref.get("scheduler")),
-        scheduler_other=_sched_name(other.get("scheduler")),
-        async_scheduling_reference=(ref.get("scheduler") or {}).get("async_scheduling"),
-        async_scheduling_other=(other.get("scheduler") or {}).get("async_scheduling"),
-        requests=0,
-        complete_reference=0,
-        complete_other=0,
-        output_tokens_reference=0,
-        output_tokens_other=0,
-        expected_output_tokens=0,
-        exact_matches=0,
-        first_divergence="",
-        kv_blocks_compared=0,
-        kv_blocks_identical=0,
-        kv_only_reference=0,
-        kv_only_other=0,
-        kv_max_abs_diff=0.0,
-        kv_key_variants=0,
-        native_unstable_requests=0,
-        logprobs_equal=False,
-        logprob_max_abs_diff=0.0,
-        prefix_hit_tokens_reference=0,
-        prefix_hit_tokens_other=0,
-        partial_prefix_hits_other=0,
-        cow_copies_reference=0,
-        cow_copies_other=0,
-        injected_failures_fired="",
-        injected_failures_expected=case.fault.expected_fired,
-        preemptions_reference=0,
-        preemptions_other=0,
-        peak_mapped_bytes_reference=int(ref.get("mapped_bytes_peak") or 0),
-        peak_mapped_bytes_other=int(other.get("mapped_bytes_peak") or 0),
-        final_mapped_bytes_reference=int(ref.get("mapped_bytes_final") or 0),
-        final_mapped_bytes_other=int(other.get("mapped_bytes_final") or 0),
-        same_schedule=False,
-        schedule_divergence_step=None,
-        verdict="error",
-        passed=False,
-        wall_s_reference=float(ref.get("t_total") or 0.0),
-        wall_s_other=float(other.get("t_total") or 0.0),
-    )
-    per_req: list[RequestParity] = []
-    if problems or "requests" not in ref or "requests" not in other:
-        if not problems:
-            problems.append("missing request results")
-        row.problems = problems
-        return row, per_req
-
-    # -- requests, tokens, logprobs -------------------------------------------------------
-    mt = case.max_tokens
-    ref_reqs, oth_reqs = ref["requests"], other["requests"]
-    if [r["rid"] for r in ref_reqs] != [r["rid"] for r in oth_reqs]:
-        problems.append("request lists differ between engines")
-    lp_equal = True
-    lp_max = 0.0
-    divergences: list[tuple[str, int]] = []
-    for a, b in zip(ref_reqs, oth_reqs, strict=False):
-        fd = _first_divergence(a["token_ids"], b["token_ids"])
-        # The distribution at the first divergent position is still conditioned on identical
-        # context, so it is compared too; later positions are not comparable.
-        upto = fd + 1 if fd is not None else len(a["token_ids"])
-        lpc = compare_logprobs(a["logprobs"], b["logprobs"], upto)
-        lp_equal &= lpc.equal
-        lp_max = max(lp_max, lpc.max_abs_diff)
-        if fd is not None:
-            divergences.append((a["rid"], fd))
-        per_req.append(
-            RequestParity(
-                rid=a["rid"],
-                label=a["label"],
-                pass_no=int(a["pass"]),
-                prompt_len=int(a["prompt_len"]),
-                ref_tokens=len(a["token_ids"]),
-                other_tokens=len(b["token_ids"]),
-                exact=fd is None,
-                first_divergence=fd,
-                ref_cached=int(a["num_cached_tokens"]),
-                other_cached=int(b["num_cached_tokens"]),
-                ref_complete=_complete(a, mt),
-                other_complete=_complete(b, mt),
-                logprobs_equal=lpc.equal,
-                logprob_max_abs_diff=lpc.max_abs_diff,
-                topk_set_differs=lpc.topk_set_differs,
-            )
-        )
-    row.requests = len(ref_reqs)
-    row.complete_reference = sum(p.ref_complete for p in per_req)
-    row.complete_other = sum(p.other_complete for p in per_req)
-    row.output_tokens_reference = sum(len(r["token_ids"]) for r in ref_reqs)
-    row.output_tokens_other = sum(len(r["token_ids"]) for r in oth_reqs)
-    row.expected_output_tokens = mt * len(ref_reqs)
-    row.exact_matches = sum(p.exact for p in per_req)
-    # Requests whose native output is history-dependent (reference replay oracle, see
-    # engine_worker._replay_uncacheable) cannot be held to token parity.
-    own = {r["rid"]: r["token_ids"] for r in ref_reqs}
-    unstable = {rid for rid, reps in (ref.get("replay") or {}).items() if any(x != own.get(rid) for x in reps)}
-    for p in per_req:
-        p.native_history_dependent = p.rid in unstable
-    explained_div = [(rid, pos) for rid, pos in divergences if rid in unstable]
-    if explained_div:
-        explanations.append(
-            f"{len(explained_div)} request(s) ({', '.join(r for r, _ in explained_div)}) differ where native vLLM "
-            "itself is history-dependent: replaying these short prompts in the reference engine gave other tokens "
-            f"(e.g. {own[explained_div[0][0]][:4]} then {ref['replay'][explained_div[0][0]][0][:4]})"
-        )
-    row.native_unstable_requests = len(unstable)
-    if divergences:
-        rid, pos = min(divergences, key=lambda x: x[1])
-        row.first_divergence = f"{rid}@{pos} ({len(divergences)} req)"
-    row.logprobs_equal = lp_equal
-    row.logprob_max_abs_diff = lp_max
-    row.prefix_hit_tokens_reference = sum(int(r["num_cached_tokens"]) for r in ref_reqs)
-    row.prefix_hit_tokens_other = sum(int(r["num_cached_tokens"]) for r in oth_reqs)
-
-    # -- engine counters ------------------------------------------------------------------
-    rp, op = ref["probe"], other["probe"]
-    row.cow_copies_reference = int(rp["copies_total"])
-    row.cow_copies_other = int(op["copies_total"])
-    row.partial_prefix_hits_other = int(op["partial_prefix_hits"])
-    row.preemptions_reference = int(ref["metrics"]["preemptions"])
-    row.preemptions_other = int(other["metrics"]["preemptions"])
-    div = _schedule_divergence(rp["schedule_fingerprint"], op["schedule_fingerprint"])
-    row.same_schedule = div is None
-    row.schedule_divergence_step = div
-
-    # -- KV content -----------------------------------------------------------------------
-    kvc = KvComparison()
-    if ref.get("kv_status") == "ok" and other.get("kv_status") == "ok" and ref_npz_path and other_npz_path:
-        with np.load(ref_npz_path) as rn, np.load(other_npz_path) as on:
-            kvc = compare_kv(ref["kv"], rn, other["kv"], on)
-    else:
-        problems.append(f"KV snapshot missing (reference {ref.get('kv_status')}, other {other.get('kv_status')})")
-    row.kv_blocks_compared = kvc.compared
-    row.kv_blocks_identical = kvc.identical
-    row.kv_only_reference = kvc.only_reference
-    row.kv_only_other = kvc.only_other
-    row.kv_max_abs_diff = kvc.max_abs_diff
-    row.kv_key_variants = kvc.variants
-    if kvc.variants:
-        explanations.append(
-            f"{kvc.variants} prefix-hash key(s) map to blocks whose KV differs inside one engine (vLLM's own "
-            "partial-prefix bookkeeping); compared as sets of contents per key"
-        )
-
-    # -- faults ---------------------------------------------------------------------------
-    fired = other.get("fault_fired")
-    if case.fault.rules and case.control is Control.NONE:
-        if fired is None:
-            row.injected_failures_fired = "no fired file"
-            problems.append("fault plan: the seam wrote no fired counts (plan never loaded?)")
-        else:
-            total = sum(fired.values())
-            row.injected_failures_fired = str(total)
-            if total == 0:
-                problems.append("fault plan never fired")
-            elif total != case.fault.expected_fired:
-                problems.append(f"fault plan fired {total}x, planned {case.fault.expected_fired}x")
-        if case.fault.needs_partial_hits:
-            if row.partial_prefix_hits_other == 0:
-                problems.append("no real partial-prefix hit, so the trigger could not arm")
-            if "partial_prefix_hit" not in (other.get("fault_triggers") or []):
-                problems.append("the seam never saw the partial_prefix_hit trigger")
-    if case.fault.physical_budget and case.control is Control.NONE:
-        stats_end = other.get("kvcached_stats_end")
-        misses = sum(int(s.get("admission_misses", 0)) for s in stats_end.values()) if stats_end else None
-        refusals = sum(int(s.get("map_failures", 0)) for s in stats_end.values()) if stats_end else None
-        row.injected_failures_fired = (
-            f"budget: {misses} admission misses, {refusals} map refusals, {row.preemptions_other} preemptions"
-            if stats_end
-            else f"budget: {row.preemptions_other} preemptions"
-        )
-        if row.preemptions_other <= 0:
-            problems.append("physical budget caused no preemption (engine metrics)")
-        budget = int(((other.get("plan") or {}).get("budget") or {}).get("kvcached_budget_bytes", 0))
-        if stats_end is not None and budget and row.peak_mapped_bytes_other > budget:
-            problems.append(f"kvcached mapped {row.peak_mapped_bytes_other} bytes, over its {budget}-byte budget")
-
-    # -- kvcached's own counters ----------------------------------------------------------
-    kc = other.get("kvcached_copy_stats")
-    if kc is not None and int(kc.get("block_copies", -1)) != row.cow_copies_other:
-        problems.append(
-            f"kvcached copied {kc.get('block_copies')} block pair(s) but the scheduler asked for {row.cow_copies_other}"
-        )
-
-    # -- scheduler that ran ---------------------------------------------------------------
-    if case.scheduling is Scheduling.ASYNC:
-        for side, res in (("reference", ref), ("other", other)):
-            s = res.get("scheduler") or {}
-            ran_async = s.get("scheduler_type") == "AsyncScheduler" and s.get("batch_queue")
-            if not ran_async:
-                msg = f"{side}: asked async, ran {_sched_name(s)}"
-                (problems if async_override else explanations).append(msg)
-
-    # -- pattern coverage -----------------------------------------------------------------
-    if case.pattern.value == "partial" and row.cow_copies_reference == 0:
-        problems.append("partial-prefix pattern made no copy-on-write copy")
-    if case.prefix_caching and kvc.compared == 0 and not problems:
-        problems.append("no KV block compared")
-
-    # -- verdict --------------------------------------------------------------------------
-    # Only requests on which native vLLM is self-consistent count (see the replay oracle).
-    stable = [p for p in per_req if p.rid not in unstable]
-    tokens_exact = row.requests > 0 and all(p.exact for p in stable)
-    lp_stable = all(p.logprobs_equal for p in stable)
-    lp_topk = sum(p.topk_set_differs for p in stable)
-    kv_exact = kvc.compared == kvc.identical
-    all_complete = row.complete_reference == row.requests and row.complete_other == row.requests
-    mismatch_found = not tokens_exact or not kv_exact or not lp_stable
-    row.logprobs_equal = lp_stable  # native-unstable requests are reported separately
-    if case.control.expects_mismatch:
-        infra = [p for p in problems if "error" in p or "missing" in p]
-        if infra:
-            row.verdict = "error"
-        elif mismatch_found:
-            row.verdict = "mismatch detected (expected)"
-            row.passed = True
-            what = []
-            if not tokens_exact:
-                what.append(f"{row.requests - row.exact_matches} requests' tokens differ")
-            if not kv_exact:
-                what.append(f"{kvc.compared - kvc.identical} KV blocks differ (max |Δ| {kvc.max_abs_diff:.3g})")
-            if not lp_stable:
-                what.append(f"logprobs differ (max |Δ| {lp_max:.3g}, top-k sets differ at {lp_topk} positions)")
-            explanations.append("negative control caught: " + ", ".join(what))
-            problems = []
-        else:
-            row.verdict = "NOT DETECTED"
-            problems.append("negative control was not reported as a mismatch")
-        row.problems, row.explanations = problems, explanations
-        return row, per_req
-
-    if not all_complete:
-        problems.append(
-            f"incomplete requests: reference {row.complete_reference}, other {row.complete_other} of {row.requests}"
-        )
-    if not tokens_exact:
-        bad = [p for p in stable if not p.exact]
-        first = min(bad, key=lambda p: p.first_divergence or 0)
-        problems.append(f"token mismatch in {len(bad)} request(s), first {first.rid}@{first.first_divergence}")
-    if row.same_schedule:
-        if not kv_exact:
-            problems.append(f"same schedule but KV differs ({kvc.first_mismatch}, max |Δ| {kvc.max_abs_diff:.3g})")
-        if not lp_stable:
-            problems.append(
-                f"same schedule but logprobs differ (max |Δ| {lp_max:.3g} over shared top-k tokens; "
-                f"top-k sets differ at {lp_topk} positions)"
-            )
-    else:
-        if not kv_exact or not lp_stable:
-            explanations.append(
-                f"schedule diverged at step {div} ({case.fault.name if not case.fault.is_none else 'batching'}); "
-                f"largest |ΔKV| {kvc.max_abs_diff:.3g}, |Δlogprob| {lp_max:.3g}: the same tokens computed in "
-                "differently shaped batches can differ in the last bits on CPU"
-            )
-        else:
-            explanations.append(f"schedule diverged at step {div}, yet KV and logprobs are bit-identical")
-    row.problems, row.explanations = problems, explanations
-    row.passed = not problems
-    if row.passed and unstable and row.exact_matches < row.requests:
-        row.verdict = "exact where native is self-consistent"
-    elif row.passed:
-        row.verdict = "exact" if (kv_exact and lp_stable) else "tokens exact, numeric diff explained"
-    else:
-        row.verdict = "error" if any("error" in p for p in problems) else "MISMATCH"
-    return row, per_req
+    return compare(Pair(case, ref, other, ref_npz_path, other_npz_path, async_override))

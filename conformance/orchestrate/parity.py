@@ -8,7 +8,7 @@ test read the same fields.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass
@@ -105,6 +105,15 @@ class ParityRow:
     explanations: list[str] = field(default_factory=list)
     wall_s_reference: float = 0.0
     wall_s_other: float = 0.0
+
+    #: Counts the comparison fills in; zero until it does (e.g. when an engine failed).
+    COUNT_FIELDS: ClassVar[tuple[str, ...]] = (
+        "requests", "complete_reference", "complete_other", "output_tokens_reference", "output_tokens_other",
+        "expected_output_tokens", "exact_matches", "kv_blocks_compared", "kv_blocks_identical",
+        "kv_only_reference", "kv_only_other", "kv_key_variants", "native_unstable_requests",
+        "prefix_hit_tokens_reference", "prefix_hit_tokens_other", "partial_prefix_hits_other",
+        "cow_copies_reference", "cow_copies_other", "preemptions_reference", "preemptions_other",
+    )  # fmt: skip
 
     def to_record(self) -> dict[str, Any]:
         d = asdict(self)

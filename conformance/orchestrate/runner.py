@@ -11,15 +11,15 @@ just before that case's engine is built and removed after it. ``--isolate-knob-c
 every such case a process of its own instead, for a kvcached that reads its environment once.
 
 Invariants:
-* Every case of every job ends with a result file: when a child crashes or times out, the
-  runner writes an error result naming the cause and the tail of the child's log.
+* Every case of every job ends with a result file (a `conformance.results.CaseResult`): when
+  a child crashes or times out, the runner writes an error result naming the cause and the
+  tail of the child's log.
 * A child's log is scanned for Python tracebacks; any found is reported (process issue),
   since case errors are recorded in the result files and never printed.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import signal
@@ -33,6 +33,7 @@ from typing import Any
 
 from conformance.cases import Case, Control
 from conformance.engine_env import ENGINE_ENV as BASE_ENGINE_ENV
+from conformance.results import CaseResult, Job, JobEntry, load_result, write_atomic
 
 ENGINE_ENV = {
     **BASE_ENGINE_ENV,
@@ -107,18 +108,35 @@ def _tail(log: Path, n: int = 40) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
 
 
+def _relay(pipe: Any, proc: subprocess.Popen[bytes], deadline: float, on_line: Callable[[str], None]) -> bool:
+    """Relay the child's progress lines until it closes the pipe; True if the deadline hit."""
+    buf = b""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return True
+        ready, _, _ = select.select([pipe], [], [], min(remaining, 1.0))
+        if not ready:
+            if proc.poll() is not None:
+                return False
+            continue
+        chunk = pipe.read(4096)
+        if not chunk:
+            return False
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            on_line(line.decode(errors="replace"))
+
+
 def run_child(
-    label: str,
-    job: dict[str, Any],
-    env: dict[str, str],
-    job_dir: Path,
-    timeout_s: float,
-    on_line: Callable[[str], None],
+    label: str, job: Job, env: dict[str, str], job_dir: Path, timeout_s: float, on_line: Callable[[str], None]
 ) -> ChildOutcome:
     """Start ``conformance.engine`` on ``job``; relay its progress lines; enforce the timeout."""
     job_dir.mkdir(parents=True, exist_ok=True)
     job_path = job_dir / f"{label}.job.json"
-    job_path.write_text(json.dumps(job))
+    write_atomic(job_path, job)
     log_path = job_dir / f"{label}.log"
     r_fd, w_fd = os.pipe()
     t0 = time.monotonic()
@@ -129,149 +147,132 @@ def run_child(
             stderr=subprocess.STDOUT,
             env=env,
             pass_fds=(w_fd,),
-            cwd=str(Path(__file__).resolve().parent.parent),
+            cwd=str(Path(__file__).resolve().parents[2]),
             start_new_session=True,  # its own process group, so a timeout kills all of it
         )
     os.close(w_fd)
-    timed_out = False
-    buf = b""
     with os.fdopen(r_fd, "rb", buffering=0) as pipe:
-        while True:
-            remaining = timeout_s - (time.monotonic() - t0)
-            if remaining <= 0:
-                timed_out = True
-                os.killpg(proc.pid, signal.SIGKILL)
-                break
-            ready, _, _ = select.select([pipe], [], [], min(remaining, 1.0))
-            if not ready:
-                if proc.poll() is not None:
-                    break
-                continue
-            chunk = pipe.read(4096)
-            if not chunk:
-                break
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                on_line(line.decode(errors="replace"))
+        timed_out = _relay(pipe, proc, t0 + timeout_s, on_line)
     rc = proc.wait()
     return ChildOutcome(label, rc, timed_out, time.monotonic() - t0, log_path, _scan_tracebacks(log_path))
 
 
-class Runner:
-    """Drives the children for one matrix and collects their result files."""
+def planned_runs(cases: Iterable[Case]) -> int:
+    """Engine-side case runs a matrix takes (references of controls are shared)."""
+    cases = list(cases)
+    refs = {base_case(c) for c in cases}
+    return len(refs) + len(cases)
 
-    def __init__(self, cfg: RunConfig, say: Callable[[str], None]) -> None:
+
+class Runner:
+    """Drives the children for one matrix and collects their result files.
+
+    ``on_case_done(side, case_id, seconds, ok)`` is called as each engine-side case ends.
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        say: Callable[[str], None],
+        on_case_done: Callable[[str, str, float, bool], None] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.say = say
+        self.on_case_done = on_case_done or (lambda *_: None)
         self.raw = cfg.run_dir / "raw"
         self.children: list[ChildOutcome] = []
 
-    def _job(self, side: str, engine: str, entries: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "side": side,
-            "engine": engine,
-            "out_dir": str(self.raw / side),
-            "page_size": self.cfg.page_size,
-            "kv_cache_bytes": self.cfg.kv_cache_bytes,
-            "async_override": self.cfg.async_override,
-            "budget_bytes_override": self.cfg.budget_bytes,
-            "entries": entries,
-        }
+    def _job(self, side: str, engine: str, entries: list[JobEntry]) -> Job:
+        return Job(
+            side=side,  # type: ignore[arg-type]
+            engine=engine,  # type: ignore[arg-type]
+            out_dir=self.raw / side,
+            page_size=self.cfg.page_size,
+            kv_cache_bytes=self.cfg.kv_cache_bytes,
+            async_override=self.cfg.async_override,
+            budget_bytes_override=self.cfg.budget_bytes,
+            entries=entries,
+        )
 
     def result_path(self, side: str, case: Case) -> Path:
         return self.raw / side / f"{case.case_id}.json"
 
-    def load(self, side: str, case: Case) -> dict[str, Any]:
-        return json.loads(self.result_path(side, case).read_text())
+    def npz_path(self, side: str, case: Case) -> Path | None:
+        p = self.raw / side / f"{case.case_id}.npz"
+        return p if p.is_file() else None
 
-    def _run(self, side: str, engine: str, label: str, cases: list[Case], entries: list[dict[str, Any]]) -> None:
-        (self.raw / side).mkdir(parents=True, exist_ok=True)
-        timeout = self.cfg.startup_timeout_s + self.cfg.case_timeout_s * len(cases) * (
-            3 if any(c.archetype.slow for c in cases) else 1
-        )
-        t0 = time.monotonic()
+    def load(self, side: str, case: Case) -> CaseResult:
+        return load_result(self.result_path(side, case))
 
+    def _on_line(self, side: str) -> Callable[[str], None]:
         def on_line(line: str) -> None:
             parts = line.split()
-            if parts and parts[0] == "DONE":
-                status = parts[3] if len(parts) > 3 else "?"
-                self.say(f"      {status:<5} {parts[1]} ({parts[2]} s)")
+            if len(parts) >= 4 and parts[0] == "DONE":
+                self.on_case_done(side, parts[1], float(parts[2]), parts[3] == "ok")
 
+        return on_line
+
+    def _run(self, side: str, engine: str, label: str, cases: list[Case], entries: list[JobEntry]) -> None:
+        (self.raw / side).mkdir(parents=True, exist_ok=True)
+        slow = 3 if any(c.archetype.slow for c in cases) else 1
+        timeout = self.cfg.startup_timeout_s + self.cfg.case_timeout_s * len(cases) * slow
         self.say(f"  -> {label}: {len(cases)} case(s), {engine} engine")
-        out = run_child(
-            label,
-            self._job(side, engine, entries),
-            child_env(engine),
-            self.raw / "jobs",
-            timeout,
-            on_line,
-        )
+        job = self._job(side, engine, entries)
+        out = run_child(label, job, child_env(engine), self.raw / "jobs", timeout, self._on_line(side))
         self.children.append(out)
+        why = f"child timed out after {timeout:.0f} s" if out.timed_out else f"child exited with {out.returncode}"
         for c in cases:
-            p = self.result_path(side, c)
-            done = p.is_file() and "t_total" in json.loads(p.read_text())
-            if not done:
-                why = (
-                    f"child timed out after {timeout:.0f} s" if out.timed_out else f"child exited with {out.returncode}"
-                )
-                prev = json.loads(p.read_text()) if p.is_file() else {}
-                prev.update(
-                    {
-                        "case": c.to_json(),
-                        "side": side,
-                        "engine": engine,
-                        "error": f"{why} before the case finished (kv_status={prev.get('kv_status', 'not-run')})",
-                        "traceback": _tail(out.log_path),
-                    }
-                )
-                p.write_text(json.dumps(prev))
+            self._ensure_result(side, engine, c, why, out.log_path)
         if out.tracebacks:
             self.say(f"      ! {len(out.tracebacks)} traceback(s) in {out.log_path}")
-        self.say(f"     {label} finished in {time.monotonic() - t0:.0f} s")
+        self.say(f"     {label} finished in {out.wall_s:.0f} s")
+
+    def _ensure_result(self, side: str, engine: str, case: Case, why: str, log_path: Path) -> None:
+        """A case the child did not finish gets an error result (keeping what it wrote)."""
+        p = self.result_path(side, case)
+        prev = self.load(side, case) if p.is_file() else None
+        if prev is not None and prev.finished:
+            return
+        status = prev.kv_status if prev is not None else "not-run"
+        base = prev or CaseResult(case=case.to_json(), side=side, engine=engine)  # type: ignore[arg-type]
+        err = base.model_copy(
+            update={"error": f"{why} before the case finished (kv_status={status})", "traceback": _tail(log_path)}
+        )
+        write_atomic(p, err)
+        self.on_case_done(side, case.case_id, 0.0, False)
 
     def run_archetype(self, arch: str, cases: list[Case]) -> None:
         regular = [c for c in cases if not c.is_control]
         controls = [c for c in cases if c.is_control]
-        ref_cases: list[Case] = list(regular)
-        for c in controls:
-            b = base_case(c)
-            if b not in ref_cases:
-                ref_cases.append(b)
+        ref_cases = list(dict.fromkeys([*regular, *(base_case(c) for c in controls)]))
         # Budget cases probe geometry first; running them last lets them reuse it.
         ref_cases.sort(key=lambda c: c.fault.physical_budget)
-        self._run("reference", "native", f"reference-{arch}", ref_cases, [{"case": c.to_json()} for c in ref_cases])
-
-        def entry(c: Case, base: Case) -> dict[str, Any]:
-            ref = self.load("reference", base)
-            if ref.get("error") or "workload" not in ref:
-                return {"case": c.to_json(), "skip": True}
-            return {"case": c.to_json(), "workload": ref["workload"], "geometry": ref["geometry"], "plan": ref["plan"]}
-
-        for i, group in enumerate(group_candidate_cases(regular, self.cfg.candidate, self.cfg.isolate_knob_cases)):
-            entries = [entry(c, c) for c in group]
-            self._run_entries("candidate", self.cfg.candidate, f"candidate-{arch}-{i}", group, entries)
+        entries = [JobEntry(case=c.to_json()) for c in ref_cases]
+        self._run("reference", "native", f"reference-{arch}", ref_cases, entries)
+        groups = group_candidate_cases(regular, self.cfg.candidate, self.cfg.isolate_knob_cases)
+        for i, group in enumerate(groups):
+            self._run_entries("candidate", self.cfg.candidate, f"candidate-{arch}-{i}", group, group)
         if controls:
-            entries = [entry(c, base_case(c)) for c in controls]
-            self._run_entries("control", "native", f"control-{arch}", controls, entries)
+            self._run_entries("control", "native", f"control-{arch}", controls, [base_case(c) for c in controls])
 
-    def _run_entries(
-        self, side: str, engine: str, label: str, cases: list[Case], entries: list[dict[str, Any]]
-    ) -> None:
-        runnable = [(c, e) for c, e in zip(cases, entries, strict=True) if not e.get("skip")]
-        for c, e in zip(cases, entries, strict=True):
-            if e.get("skip"):
-                (self.raw / side).mkdir(parents=True, exist_ok=True)
-                self.result_path(side, c).write_text(
-                    json.dumps(
-                        {
-                            "case": c.to_json(),
-                            "side": side,
-                            "engine": engine,
-                            "error": "not run: the reference case failed",
-                            "t_total": 0,
-                        }
-                    )
-                )
+    def _entry(self, case: Case, base: Case) -> JobEntry | None:
+        """What a candidate or control receives from the reference (None: it failed)."""
+        ref = self.load("reference", base)
+        if ref.error or ref.workload is None:
+            return None
+        return JobEntry(case=case.to_json(), workload=ref.workload, geometry=ref.geometry, plan=ref.plan)
+
+    def _run_entries(self, side: str, engine: str, label: str, cases: list[Case], bases: list[Case]) -> None:
+        runnable: list[tuple[Case, JobEntry]] = []
+        for c, b in zip(cases, bases, strict=True):
+            if (e := self._entry(c, b)) is not None:
+                runnable.append((c, e))
+                continue
+            (self.raw / side).mkdir(parents=True, exist_ok=True)
+            skipped = CaseResult(
+                case=c.to_json(), side=side, engine=engine, error="not run: the reference case failed", t_total=0.0  # type: ignore[arg-type]
+            )
+            write_atomic(self.result_path(side, c), skipped)
+            self.on_case_done(side, c.case_id, 0.0, False)
         if runnable:
             self._run(side, engine, label, [c for c, _ in runnable], [e for _, e in runnable])

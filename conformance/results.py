@@ -1,0 +1,301 @@
+"""The data that crosses the process boundary: a job going into an engine process, and the
+result of every case coming back.
+
+The parent writes a `Job` (JSON) for each engine process; the engine process writes one
+`CaseResult` (JSON, plus an ``.npz`` of KV arrays) per case. Both are pydantic models with
+``extra="forbid"``: an unknown or missing field, a wrong type, or a result written by another
+`SCHEMA_VERSION` raises `ResultSchemaError` naming the file and the field. A parent never
+"makes do" with a partial result: a case whose engine process died is written by the parent
+as a result with an ``error``, in the same schema.
+
+Invariants:
+* ``CaseResult.kv_status == "ok"`` exactly when ``kv`` is set and the ``.npz`` beside the
+  JSON holds every array ``kv`` names.
+* Every count is a count of the whole case (the reference's replay oracle runs after the
+  recording and is not counted).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+
+from conformance.geometry import Geometry
+
+#: Bumped whenever a field changes meaning, appears or disappears.
+SCHEMA_VERSION = 2
+
+Side = Literal["reference", "candidate", "control"]
+EngineKind = Literal["native", "kvcached"]
+KvStatus = Literal["not-run", "pending", "ok"]
+_M = TypeVar("_M", bound="_Strict")
+
+
+class ResultSchemaError(RuntimeError):
+    """A job or result file does not match this harness's schema (version, fields, types)."""
+
+
+class _Strict(BaseModel):
+    """Unknown fields are refused always; read from a file, every field must be present
+    (the writer dumps defaults too, so a missing one means another schema)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _complete(cls, data: Any, info: ValidationInfo) -> Any:
+        if (info.context or {}).get("complete") and isinstance(data, dict):
+            missing = sorted(set(cls.model_fields) - set(data))
+            if missing:
+                raise ValueError(f"{cls.__name__} lacks field(s) {missing}")
+        return data
+
+
+# ---- parent -> engine -------------------------------------------------------------------
+class Budget(_Strict):
+    """The tiny-budget plan: the same block count as native bytes and as a kvcached budget."""
+
+    blocks: int
+    native_kv_cache_bytes: int
+    kvcached_budget_bytes: int
+
+
+class Plan(_Strict):
+    """What both engines of a case share, derived by the reference from its real geometry."""
+
+    max_model_len: int
+    page_size: int | None = None
+    budget: Budget | None = None
+
+
+class PromptRecord(_Strict):
+    rid: str
+    label: str
+    tokens: list[int]
+
+
+class WorkloadRecord(_Strict):
+    passes: list[list[PromptRecord]]
+    lengths: list[tuple[str, int]]
+    partial_boundaries: list[int]
+    corrupt_prefix_tokens: int
+
+
+class JobEntry(_Strict):
+    """One case of a job. The reference gets only ``case``; the others get its derivations."""
+
+    case: dict[str, Any]
+    workload: WorkloadRecord | None = None
+    geometry: Geometry | None = None
+    plan: Plan | None = None
+
+
+class Job(_Strict):
+    schema_version: int = SCHEMA_VERSION
+    side: Side
+    engine: EngineKind
+    out_dir: Path
+    page_size: int | None  # explicit KVCACHED_PAGE_SIZE; None: derived from the reference geometry
+    kv_cache_bytes: int
+    async_override: bool
+    budget_bytes_override: int | None
+    entries: list[JobEntry]
+
+
+# ---- engine -> parent -------------------------------------------------------------------
+class SchedulerRan(_Strict):
+    """What really ran, read from the engine, never from the requested arguments."""
+
+    scheduler_type: str
+    batch_queue: bool
+    async_scheduling: bool
+    executor: str  # the executor class vLLM chose
+    world_size: int  # tensor x pipeline parallel ranks
+
+    @property
+    def name(self) -> str:
+        return self.scheduler_type + ("+batch_queue" if self.batch_queue else "")
+
+    @property
+    def ran_async(self) -> bool:
+        return self.scheduler_type == "AsyncScheduler" and self.batch_queue
+
+
+class RequestRecord(_Strict):
+    rid: str
+    label: str
+    pass_no: int
+    prompt_len: int
+    token_ids: list[int]
+    logprobs: list[list[tuple[int, float, int]]]  # per position: (token, logprob, rank), by rank
+    num_cached_tokens: int
+    finish_reason: str | None
+    finished: bool
+
+    def complete(self, max_tokens: int) -> bool:
+        return self.finished and self.finish_reason == "length" and len(self.token_ids) == max_tokens
+
+
+class StepRecord(_Strict):
+    step: int
+    t: float  # seconds since the probe was installed
+    scheduled_tokens: int
+    num_requests: int
+    copies: int
+    preempted: int
+    mapped_bytes: int
+
+
+class ProbeRecord(_Strict):
+    steps: list[StepRecord]
+    schedule_fingerprint: list[list[tuple[int, int]]]  # per step: (request order, tokens)
+    copies_total: int
+    copy_batches: int
+    preemptions_counted: int
+    partial_prefix_hits: int
+    prefix_hit_admissions: int
+
+
+class EngineMetrics(_Strict):
+    preemptions: float
+    prefix_cache_queries: float
+    prefix_cache_hits: float
+
+
+class PoolFacts(_Strict):
+    """One kvcached pool, as ``kvcached.stats()`` reports it (see `kvcached.PoolStats`)."""
+
+    mapped_bytes: int
+    peak_mapped_bytes: int
+    reserved_idle_bytes: int
+    live_blocks: int
+    capacity_blocks: int
+    kv_page_bytes: int
+    vmm_page_bytes: int
+    maps: int
+    unmaps: int
+    map_failures: int
+    admission_misses: int
+
+
+class CopyFacts(_Strict):
+    """kvcached's block-copy counters (``kvcached.copy_stats()``), summed over every rank."""
+
+    batches: int
+    block_copies: int
+    runs_copied: int
+
+
+class KvcachedFacts(_Strict):
+    """kvcached's public facts over one case (pools at start and end, copies during it)."""
+
+    pools_start: dict[str, PoolFacts]
+    pools_end: dict[str, PoolFacts]
+    copies: CopyFacts
+
+    @property
+    def admission_misses(self) -> int:
+        return sum(p.admission_misses for p in self.pools_end.values())
+
+    @property
+    def map_failures(self) -> int:
+        return sum(p.map_failures for p in self.pools_end.values())
+
+
+class KvKeyRecord(_Strict):
+    group: int
+    kind: str
+    block_size: int
+    layers: list[str]
+    blocks: list[tuple[int, int]]  # (block id, tokens its primary hash covers)
+
+
+class KvSnapshotMeta(_Strict):
+    """The prefix-cache keys of one engine and where their arrays are (see ``kvsnap``)."""
+
+    keys: dict[str, KvKeyRecord]
+    token_dims: dict[str, int | None]
+    whole_block_layers: list[str]
+    num_arrays: int
+    ranks: int = 1
+
+
+class FaultRecord(_Strict):
+    fired: dict[str, int] | None  # None: the seam wrote no fired file
+    triggers: list[str] | None
+
+
+class CaseResult(_Strict):
+    schema_version: int = SCHEMA_VERSION
+    case: dict[str, Any]
+    side: Side
+    engine: EngineKind
+    error: str | None = None
+    traceback: str | None = None
+    kv_status: KvStatus = "not-run"
+    model: dict[str, Any] | None = None
+    plan: Plan | None = None
+    fault_seam: Literal["kvcached", "harness-emulated"] | None = None
+    kvcached_env: dict[str, str] = Field(default_factory=dict)
+    engine_kwargs: dict[str, Any] | None = None
+    t_engine_start: float | None = None
+    scheduler: SchedulerRan | None = None
+    geometry: Geometry | None = None
+    workload: WorkloadRecord | None = None
+    requests: list[RequestRecord] | None = None
+    t_passes: list[float] = Field(default_factory=list)
+    corrupted_blocks: list[int] = Field(default_factory=list)
+    metrics: EngineMetrics | None = None
+    probe: ProbeRecord | None = None
+    kvcached: KvcachedFacts | None = None
+    mapped_bytes_peak: int = 0
+    mapped_bytes_final: int = 0
+    fault: FaultRecord | None = None
+    kv: KvSnapshotMeta | None = None
+    t_kv_snapshot: float | None = None
+    replay: dict[str, list[list[int]]] = Field(default_factory=dict)
+    t_total: float | None = None  # set when the engine process finished the case
+
+    @property
+    def finished(self) -> bool:
+        return self.t_total is not None
+
+
+def _check_version(data: Any, path: Path) -> None:
+    version = data.get("schema_version") if isinstance(data, dict) else None
+    if version != SCHEMA_VERSION:
+        raise ResultSchemaError(
+            f"{path}: written with schema version {version!r}, this harness reads {SCHEMA_VERSION} "
+            "(an engine process from another checkout?)"
+        )
+
+
+def _load(model: type[_M], path: Path) -> _M:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ResultSchemaError(f"{path}: unreadable: {e}") from e
+    _check_version(data, path)
+    try:
+        return model.model_validate(data, context={"complete": True})
+    except ValidationError as e:
+        raise ResultSchemaError(f"{path}: does not match {model.__name__}: {e}") from e
+
+
+def load_result(path: Path) -> CaseResult:
+    return _load(CaseResult, path)
+
+
+def load_job(path: Path) -> Job:
+    return _load(Job, path)
+
+
+def write_atomic(path: Path, record: BaseModel) -> None:
+    """Write ``record`` as JSON through a temporary file, so a reader never sees half of it."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(record.model_dump_json())
+    tmp.rename(path)
+
