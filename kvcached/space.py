@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
 
 from kvcached.config import KvcachedConfig
 from kvcached.errors import ConfigError, IntegrationError
@@ -51,6 +52,56 @@ class Geometry:
     @property
     def reserved_bytes(self) -> tuple[int, ...]:
         return tuple(k * self.num_kv_pages * self.page_size for k in self.vmm_pages)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe form (ints and lists of ints, one key per field); `from_dict` inverts it."""
+        return {
+            "page_size": self.page_size,
+            "strides": list(self.strides),
+            "num_blocks": self.num_blocks,
+            "blocks_per_page": self.blocks_per_page,
+            "vmm_pages": list(self.vmm_pages),
+            "num_kv_pages": self.num_kv_pages,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Geometry:
+        """The geometry `to_dict` described, checked strictly; `ConfigError` otherwise.
+
+        Every field must be present and no other key may be; values must be ints (lists
+        of ints for ``strides`` and ``vmm_pages``), never bools or floats. Because a
+        geometry is a pure function of (strides, num_blocks, page_size), the derived
+        fields must equal what `plan_geometry` computes from those three: a peer that
+        planned differently is refused here rather than mapping different pages.
+        """
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"KV geometry must be a mapping, got {type(data).__name__}")
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in data]
+        unknown = sorted(str(k) for k in data if k not in names)
+        if missing or unknown:
+            raise ConfigError(f"KV geometry: missing keys {missing}, unknown keys {unknown}")
+        values: dict[str, Any] = {}
+        for name in names:
+            raw = data[name]
+            if name in ("strides", "vmm_pages"):
+                if not isinstance(raw, (list, tuple)) or not all(_is_int(v) for v in raw):
+                    raise ConfigError(f"KV geometry: {name}={raw!r} is not a list of ints")
+                values[name] = tuple(raw)
+            elif _is_int(raw):
+                values[name] = raw
+            else:
+                raise ConfigError(f"KV geometry: {name}={raw!r} is not an int")
+        geometry = cls(**values)
+        planned = plan_geometry(geometry.strides, geometry.num_blocks, geometry.page_size)
+        if geometry != planned:
+            raise ConfigError(f"KV geometry {geometry} is inconsistent: its strides, block count "
+                              f"and page size plan {planned}")
+        return geometry
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def plan_geometry(strides: Sequence[int], num_blocks: int, page_size: int) -> Geometry:

@@ -1,8 +1,9 @@
-"""The KV space (the config it carries) and `ElasticArena`, the one assembly of an elastic
-pool, on the real CPU backend."""
+"""The KV space (its geometry's JSON form, the config it carries) and `ElasticArena`, the one
+assembly of an elastic pool, on the real CPU backend."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -11,11 +12,49 @@ from kvcached import ConfigError
 from kvcached.arena import ElasticArena
 from kvcached.config import KvcachedConfig
 from kvcached.fence import StepFence
-from kvcached.space import KvSpace, claim, plan_geometry, publish, withdraw
+from kvcached.space import Geometry, KvSpace, claim, plan_geometry, publish, withdraw
 from kvcached.stats import stats
 
 PAGE = 4096
 STRIDE = 1024  # 4 blocks per kv page
+
+
+# ---- geometry ----------------------------------------------------------------------------
+@pytest.mark.parametrize("strides, num_blocks", [([STRIDE], 16), ([STRIDE, 3 * STRIDE], 37), ([6144], 5)])
+def test_geometry_round_trips_through_json(strides: list[int], num_blocks: int) -> None:
+    geometry = plan_geometry(strides, num_blocks, PAGE)
+    wire = json.dumps(geometry.to_dict())
+    assert Geometry.from_dict(json.loads(wire)) == geometry
+    assert json.loads(wire) == geometry.to_dict()
+
+
+def _edited(**changes: Any) -> dict[str, Any]:
+    data = plan_geometry([STRIDE], 16, PAGE).to_dict()
+    for key, value in changes.items():
+        if value is _DROP:
+            del data[key]
+        else:
+            data[key] = value
+    return data
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize("data, message", [
+    (_edited(num_kv_pages=_DROP), r"missing keys \['num_kv_pages'\], unknown keys \[\]"),
+    (_edited(tp_size=2), r"missing keys \[\], unknown keys \['tp_size'\]"),
+    (_edited(page_size=True), "page_size=True is not an int"),
+    (_edited(num_blocks=16.0), "num_blocks=16.0 is not an int"),
+    (_edited(strides="1024"), "strides='1024' is not a list of ints"),
+    (_edited(vmm_pages=[True]), r"vmm_pages=\[True\] is not a list of ints"),
+    (_edited(blocks_per_page=8), "inconsistent"),
+    (_edited(num_kv_pages=5), "inconsistent"),
+    ([("page_size", PAGE)], "must be a mapping"),
+])
+def test_geometry_from_dict_is_strict(data: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Geometry.from_dict(data)
 
 
 # ---- the space's config and the arena ------------------------------------------------------
@@ -27,7 +66,7 @@ def _config(**overrides: Any) -> KvcachedConfig:
 
 @pytest.fixture
 def vrange():
-    """A 16-block geometry and one CPU range for it."""
+    """A 16-block geometry and one CPU range for it (the geometry tests above need neither)."""
     _vmm = pytest.importorskip("kvcached._vmm", reason="native extension not built")
     geometry = plan_geometry([STRIDE], 16, PAGE)
     r = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE)
