@@ -114,6 +114,83 @@ def partial_boundaries(geo: Geometry, max_prompt_len: int) -> list[int]:
     return [p for p in cands if p % b and p + h + 1 <= max_prompt_len]
 
 
+@dataclass
+class _Draft:
+    """What the pattern builders share: the token source, the root prompt and the passes."""
+
+    tok: _Tokens
+    root: list[int]
+    bld: _Builder
+    lengths: Sequence[tuple[str, int]]
+    geo: Geometry
+    max_prompt_len: int
+
+    def root_prefixed(self, n: int) -> list[int]:
+        # Shares the root up to n-1 tokens and ends in a fresh token, so the hit is bounded
+        # by the prompt and not by vLLM's "recompute the last token" cap alone.
+        return self.root[: n - 1] + self.tok.fresh(1)
+
+    @property
+    def longest(self) -> list[int]:
+        return sorted((n for _, n in self.lengths), reverse=True)[:3]
+
+
+def _warm_then_all(d: _Draft) -> list[int]:
+    d.bld.new_pass()
+    for n in d.longest:
+        d.bld.add(f"warm:{n}", d.root[:n])
+    d.bld.new_pass()
+    for label, n in d.lengths:
+        d.bld.add(f"root:{label}", d.root_prefixed(n))
+        d.bld.add(f"fresh:{label}", d.tok.fresh(n))
+    for n in d.longest:
+        d.bld.add(f"rewarm:{n}", d.root[:n])
+    return []
+
+
+def _partial_cow(d: _Draft) -> list[int]:
+    h, b = d.geo.hash_block_size, d.geo.block_size
+    bounds = partial_boundaries(d.geo, d.max_prompt_len)
+    if not bounds:
+        raise ValueError(f"no hash boundary inside a block (hash {h}, block {b})")
+    d.bld.new_pass()
+    for p in bounds:
+        d.bld.add(f"warm-partial:{p}", d.root[: p + max(1, h // 2)])
+    d.bld.new_pass()
+    for p in bounds:
+        for t in (1, h + 1):
+            d.bld.add(f"partial:{p}+{t}", d.root[:p] + d.tok.fresh(t))
+    for label, n in d.lengths:
+        d.bld.add(f"root:{label}", d.root_prefixed(n))
+    for p in bounds:
+        d.bld.add(f"rewarm-partial:{p}", d.root[: p + max(1, h // 2)])
+    return bounds
+
+
+def _shared_concurrent(d: _Draft) -> list[int]:
+    h, b = d.geo.hash_block_size, d.geo.block_size
+    prefix_lens = [n for n in (2 * b - 1, b + 1, dict(d.lengths).get("page-straddle", 0)) if 1 < n]
+    groups = []
+    for plen in prefix_lens:
+        shared = d.tok.fresh(plen)
+        for t in (1, h, b // 2 + 1):
+            if plen + t <= d.max_prompt_len:
+                groups.append((f"shared:{plen}+{t}", shared + d.tok.fresh(t)))
+    singles = [(f"fresh:{label}", d.tok.fresh(n)) for label, n in d.lengths]
+    for _ in range(2):
+        d.bld.new_pass()
+        for label, toks in groups + singles:
+            d.bld.add(label, toks)
+    return []
+
+
+_PATTERNS = {
+    PrefixPattern.WARM_THEN_ALL: _warm_then_all,
+    PrefixPattern.PARTIAL_COW: _partial_cow,
+    PrefixPattern.SHARED_CONCURRENT: _shared_concurrent,
+}
+
+
 def build_workload(
     pattern: PrefixPattern,
     lengths: Sequence[tuple[str, int]],
@@ -122,62 +199,12 @@ def build_workload(
     seed: int,
 ) -> Workload:
     tok = _Tokens(seed)
-    root = tok.fresh(max_prompt_len)
-    bld = _Builder()
-    h, b = geo.hash_block_size, geo.block_size
-    bounds: list[int] = []
-
-    def root_prefixed(n: int) -> list[int]:
-        # Shares the root up to n-1 tokens and ends in a fresh token, so the hit is bounded
-        # by the prompt and not by vLLM's "recompute the last token" cap alone.
-        return root[: n - 1] + tok.fresh(1)
-
-    longest = sorted((n for _, n in lengths), reverse=True)[:3]
-    if pattern is PrefixPattern.WARM_THEN_ALL:
-        bld.new_pass()
-        for n in longest:
-            bld.add(f"warm:{n}", root[:n])
-        bld.new_pass()
-        for label, n in lengths:
-            bld.add(f"root:{label}", root_prefixed(n))
-            bld.add(f"fresh:{label}", tok.fresh(n))
-        for n in longest:
-            bld.add(f"rewarm:{n}", root[:n])
-    elif pattern is PrefixPattern.PARTIAL_COW:
-        bounds = partial_boundaries(geo, max_prompt_len)
-        if not bounds:
-            raise ValueError(f"no hash boundary inside a block (hash {h}, block {b})")
-        bld.new_pass()
-        for p in bounds:
-            bld.add(f"warm-partial:{p}", root[: p + max(1, h // 2)])
-        bld.new_pass()
-        for p in bounds:
-            for t in (1, h + 1):
-                bld.add(f"partial:{p}+{t}", root[:p] + tok.fresh(t))
-        for label, n in lengths:
-            bld.add(f"root:{label}", root_prefixed(n))
-        for p in bounds:
-            bld.add(f"rewarm-partial:{p}", root[: p + max(1, h // 2)])
-    elif pattern is PrefixPattern.SHARED_CONCURRENT:
-        by_label = dict(lengths)
-        prefix_lens = [n for n in (2 * b - 1, b + 1, by_label.get("page-straddle", 0)) if 1 < n]
-        tails = (1, h, b // 2 + 1)
-        groups = []
-        for plen in prefix_lens:
-            shared = tok.fresh(plen)
-            for t in tails:
-                if plen + t <= max_prompt_len:
-                    groups.append((f"shared:{plen}+{t}", shared + tok.fresh(t)))
-        singles = [(f"fresh:{label}", tok.fresh(n)) for label, n in lengths]
-        for _ in range(2):
-            bld.new_pass()
-            for label, toks in groups + singles:
-                bld.add(label, toks)
-    else:  # pragma: no cover - exhaustive over the enum
-        raise AssertionError(pattern)
+    draft = _Draft(tok, tok.fresh(max_prompt_len), _Builder(), lengths, geo, max_prompt_len)
+    bounds = _PATTERNS[pattern](draft)
+    b = geo.block_size
     return Workload(
-        passes=bld.freeze(),
+        passes=draft.bld.freeze(),
         lengths=tuple(lengths),
         partial_boundaries=tuple(bounds),
-        corrupt_prefix_tokens=b if pattern is PrefixPattern.WARM_THEN_ALL and max(longest) > b else 0,
+        corrupt_prefix_tokens=b if pattern is PrefixPattern.WARM_THEN_ALL and max(draft.longest) > b else 0,
     )
