@@ -5,7 +5,7 @@
    so without help an "async" case silently runs the synchronous scheduler. The override
    re-asserts ``True`` after the platform hook, but only while ``force_async(True)`` is in
    effect, i.e. only for cases that ask for async. Whether it worked is then read back from
-   the running engine (``probes.scheduler_that_ran``), never assumed.
+   the running engine (``EngineHandle.scheduler_that_ran``), never assumed.
 
 2. The "Chat template warmup failed" warning. ``LLM.__init__`` warms up chat-template
    rendering, which needs a tokenizer; the harness runs tokenizer-free
