@@ -49,7 +49,7 @@ def published():
     vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE)
     space = KvSpace(geometry, (vrange,), config=KvcachedConfig(page_size=PAGE))
     kv_space.publish(space)
-    scheduler.install(capabilities.detect())
+    scheduler.install(capabilities.detect(), enabled=True)
     pools: list[ElasticBlockPool] = []
     yield pools
     scheduler.uninstall()
@@ -108,7 +108,7 @@ def test_absent_or_invalid_hash_granularity_raises_at_the_seam(published, kwargs
 
 
 def test_no_published_space_is_an_integration_error() -> None:
-    scheduler.install(capabilities.detect())
+    scheduler.install(capabilities.detect(), enabled=True)
     try:
         with pytest.raises(IntegrationError, match="no KV space was published"):
             coordinator(config(full()))

@@ -61,7 +61,7 @@ class Engine:
         self.vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE, self.budget)
         self.space = KvSpace(geometry, (self.vrange,), config=KvcachedConfig.resolve())
         kv_space.publish(self.space)
-        scheduler.install(capabilities.detect())
+        scheduler.install(capabilities.detect(), enabled=True)
         cfg = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
             KVCacheGroupSpec(["layer0"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8,
                                                           dtype=torch.float32))])

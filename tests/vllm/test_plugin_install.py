@@ -17,7 +17,8 @@ from vllm.v1.core.sched import scheduler as vllm_scheduler
 from vllm.v1.worker import cpu_worker, gpu_model_runner, gpu_worker
 
 from kvcached.errors import ConfigError, IntegrationError
-from kvcached.integration.vllm import plugin, scheduler
+from kvcached.integration.vllm import IntegrationStatus, plugin, scheduler, status, worker
+from kvcached.integration.vllm.capabilities import detect
 
 SWITCHES = ("KVCACHED_ENABLE", "ENABLE_KVCACHED")
 # Loaded up front so their namespaces are in every snapshot (the seams live there). The
@@ -139,6 +140,42 @@ def test_install_while_disabled_only_delegates() -> None:
     assert kv_cache_coordinator.BlockPool is before_pool
 
 
+def test_status_reads_the_one_install_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    version = vllm.__version__
+    assert status() == IntegrationStatus(installed=False, enabled=False, vllm_version=version)
+    plugin.install()  # switch off: installed, delegating
+    assert status() == IntegrationStatus(installed=True, enabled=False, vllm_version=version)
+    assert not scheduler.is_enabled() and not worker.is_enabled()
+    plugin.uninstall()
+    monkeypatch.setenv("KVCACHED_ENABLE", "1")
+    plugin.register()
+    assert status() == IntegrationStatus(installed=True, enabled=True, vllm_version=version)
+    assert plugin.is_installed() and scheduler.is_enabled() and worker.is_enabled()
+    plugin.uninstall()
+    assert status() == IntegrationStatus(installed=False, enabled=False, vllm_version=version)
+    assert not scheduler.is_enabled() and not worker.is_enabled()
+
+
+def test_one_switch_for_every_part() -> None:
+    """A part installed alone (as tests do) fixes the switch; a part or the plugin asking for
+    another one is refused with nothing patched."""
+    before = namespace_snapshot()
+    scheduler.install(detect(), enabled=True)
+    assert scheduler.is_enabled() and not worker.is_enabled(), "the worker part is not installed"
+    assert status().installed is False and not plugin.is_installed(), "one part is not an installation"
+    patched = namespace_snapshot()
+    with pytest.raises(IntegrationError, match="already installed"):
+        worker.install(detect(), enabled=False)
+    with pytest.raises(IntegrationError, match="already installed"):
+        plugin.install()  # the environment's switch is off here
+    assert_identical(patched)
+    assert worker.installed_capabilities() is None
+    worker.install(detect())  # joins with the recorded switch
+    assert worker.is_enabled() and plugin.is_installed() and status().enabled
+    plugin.uninstall()
+    assert_identical(before)
+
+
 def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     child_env = {k: v for k, v in os.environ.items() if k not in SWITCHES}
     child_env.update(env)
@@ -157,11 +194,25 @@ def test_entry_point_module_imports_nothing_heavy() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_status_is_public_and_importing_the_package_imports_no_vllm() -> None:
+    out = _python("""
+        import sys
+        from kvcached.integration.vllm import status
+        imported = "vllm" in sys.modules
+        s = status()
+        import vllm
+        print(imported, s.installed, s.enabled, s.vllm_version == vllm.__version__)
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False False False True"
+
+
 def test_vllm_plugin_loader_installs_through_the_entry_point() -> None:
     code = """
         from vllm.plugins import load_general_plugins
         load_general_plugins()
-        from kvcached.integration.vllm import plugin
+        from kvcached.integration.vllm import plugin, status
+        assert status().installed == plugin.is_installed()
         print("installed" if plugin.is_installed() else "native")
     """
     on = _python(code, KVCACHED_ENABLE="1")

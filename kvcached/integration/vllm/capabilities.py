@@ -118,3 +118,12 @@ def detect() -> Capabilities:
     import vllm
 
     return capabilities_for(vllm.__version__)
+
+
+def installed_version() -> str | None:
+    """``vllm.__version__`` (importing vLLM), or None when vLLM cannot be imported."""
+    try:
+        import vllm
+    except ImportError:
+        return None
+    return str(vllm.__version__)

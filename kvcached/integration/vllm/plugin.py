@@ -15,19 +15,17 @@ Switch: ``KVCACHED_ENABLE`` (or upstream's ``ENABLE_KVCACHED``), parsed strictly
 When disabled, `register` patches nothing and vLLM runs exactly as without the plugin.
 
 `install` is idempotent and all-or-nothing; `uninstall` restores every replaced
-attribute exactly (the seams are listed in ``scheduler`` and ``worker``).
+attribute exactly (the seams are listed in ``scheduler`` and ``worker``). What is
+installed, and whether it acts, is recorded in one place, `install_state`; this module
+keeps no flag of its own (`kvcached.integration.vllm.status` reports it).
 """
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvcached.integration.vllm.capabilities import Capabilities
-
-_lock = threading.RLock()
-_installed: Capabilities | None = None
 
 
 def register() -> None:
@@ -41,42 +39,54 @@ def register() -> None:
 def install() -> Capabilities:
     """Install the scheduler and worker seams for the running vLLM; idempotent.
 
-    The seams act only when ``KVCACHED_ENABLE``/``ENABLE_KVCACHED`` is on (read now);
-    installed while off they delegate to vLLM. `register` installs only when on.
-    Raises `IntegrationError` for an unsupported vLLM, with nothing patched.
+    The switch (``KVCACHED_ENABLE``/``ENABLE_KVCACHED``) is read now and recorded once for
+    both parts; installed while off, the seams delegate to vLLM. `register` installs only
+    when on. Raises `IntegrationError` for an unsupported vLLM, with nothing patched; if
+    the worker part fails, a scheduler part installed here is removed again.
     """
-    global _installed
-    with _lock:
-        if _installed is not None:
-            return _installed
-        from kvcached.config import enabled_from_env
+    from kvcached.config import enabled_from_env
+    from kvcached.integration.vllm import install_state
+
+    with install_state.LOCK:
+        state = install_state.current()
+        if state is not None and state.complete:
+            return state.caps
         from kvcached.integration.vllm import capabilities, scheduler, worker
 
         enabled = enabled_from_env()
         caps = capabilities.detect()
+        had_scheduler = state is not None and "scheduler" in state.parts
         scheduler.install(caps, enabled=enabled)
         try:
-            worker.install(caps)
+            worker.install(caps, enabled=enabled)
         except BaseException:
-            scheduler.uninstall()
+            if not had_scheduler:
+                scheduler.uninstall()
             raise
-        _installed = caps
-        return caps
+        installed = install_state.current()
+        if installed is None or not installed.complete:
+            from kvcached.errors import InvariantError
+
+            raise InvariantError("both seam parts were installed under the lock, yet are not recorded")
+        return installed.caps  # the recorded object: every later install() returns this one
 
 
 def uninstall() -> None:
     """Restore every attribute kvcached replaced; idempotent."""
-    global _installed
-    with _lock:
-        if _installed is None:
+    from kvcached.integration.vllm import install_state
+
+    with install_state.LOCK:
+        if install_state.current() is None:
             return
         from kvcached.integration.vllm import scheduler, worker
 
         worker.uninstall()
         scheduler.uninstall()
-        _installed = None
 
 
 def is_installed() -> bool:
-    with _lock:
-        return _installed is not None
+    """Whether every kvcached seam is installed (the switch may still be off)."""
+    from kvcached.integration.vllm import install_state
+
+    state = install_state.current()
+    return state is not None and state.complete

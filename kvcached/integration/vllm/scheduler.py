@@ -1,6 +1,7 @@
 """Scheduler-side seams: where kvcached enters vLLM's EngineCore.
 
-Six attributes are replaced (`install`), each restored exactly by `uninstall`:
+Six attributes are replaced (`install`), each restored exactly by `uninstall`. Whether
+they act is the process-wide switch in `install_state`, shared with the worker seams:
 
 ``vllm.v1.core.kv_cache_coordinator.BlockPool``
     The coordinator builds its one GPU pool through this module-level name. It becomes
@@ -51,19 +52,17 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from kvcached.errors import IntegrationError
+from kvcached.integration.vllm import install_state
 from kvcached.integration.vllm.block_pool import ElasticBlockPool, EngineStepFence
 from kvcached.integration.vllm.capabilities import Capabilities
 from kvcached.integration.vllm.patching import MISSING, PatchSet, require_own
 
-_lock = threading.Lock()
-_patches = PatchSet()
-_caps: Capabilities | None = None
-_enabled = False
+_PART = "scheduler"
+_patches = PatchSet()  # guarded by install_state.LOCK
 
 
 # ---- the pool factory ---------------------------------------------------------------
@@ -100,7 +99,7 @@ def elastic_block_pool(*args: Any, **kwargs: Any) -> Any:
 
     When the seams were installed disabled it builds vLLM's own pool, untouched.
     """
-    if not _enabled:
+    if not install_state.is_enabled():
         from vllm.v1.core.block_pool import BlockPool
 
         return BlockPool(*args, **kwargs)
@@ -275,37 +274,28 @@ def _plan() -> list[tuple[Any, str, Any]]:
     ]
 
 
-def install(caps: Capabilities, *, enabled: bool = True) -> None:
+def install(caps: Capabilities, *, enabled: bool | None = None) -> None:
     """Replace the scheduler-side attributes; idempotent. Nothing is patched on error.
 
-    Installed with ``enabled=False`` every seam delegates to vLLM (the coordinator gets
-    vLLM's own pool), so tools can install the seams without changing behaviour.
-    Installing again with other capabilities or another switch raises `IntegrationError`.
+    ``enabled``: the switch (None: the one already recorded in `install_state`, else
+    ``KVCACHED_ENABLE``/``ENABLE_KVCACHED`` now). Installed disabled, every seam delegates
+    to vLLM (the coordinator gets vLLM's own pool), so tools can install the seams without
+    changing behaviour. Other capabilities or another switch than the installed ones
+    raise `IntegrationError`.
     """
-    global _caps, _enabled
-    with _lock:
-        if _patches:
-            if (caps, enabled) != (_caps, _enabled):
-                raise IntegrationError("scheduler seams are already installed with other settings")
-            return
-        plan = _plan()  # validates everything before the first setattr
-        _patches.apply(plan)
-        _caps, _enabled = caps, enabled
+    install_state.install_part(_PART, caps, enabled, lambda: _patches.apply(_plan()))  # validates first
 
 
 def uninstall() -> None:
     """Restore every replaced attribute exactly (in reverse order); idempotent."""
-    global _caps, _enabled
-    with _lock:
-        _patches.restore()
-        _caps, _enabled = None, False
+    install_state.uninstall_part(_PART, _patches.restore)
 
 
 def installed_capabilities() -> Capabilities | None:
     """The capabilities the seams were installed for, or None when not installed."""
-    return _caps
+    return install_state.capabilities(_PART)
 
 
 def is_enabled() -> bool:
     """Whether the installed seams act (False: not installed, or installed disabled)."""
-    return _enabled
+    return install_state.is_enabled(_PART)

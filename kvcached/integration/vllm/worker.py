@@ -108,7 +108,8 @@ budget into a miss. Without a budget the native capacity is reported unchanged.
     Other ``Worker`` subclasses that override ``determine_available_memory`` (XPU) run
     on devices kvcached does not back (`allocate_kv_cache_tensors` refuses them).
 
-"Disabled" is decided at `install` from ``KVCACHED_ENABLE``/``ENABLE_KVCACHED``: the
+Whether the seams act is the one switch in `install_state` (decided when the first part
+is installed, from ``KVCACHED_ENABLE``/``ENABLE_KVCACHED`` unless the installer says): the
 plugin only installs when enabled, but a disabled install makes every seam a pure
 delegation to vLLM, so tests and tools can install the seams without changing behaviour.
 
@@ -132,9 +133,10 @@ from typing import Any
 import torch
 
 from kvcached import space as _space
-from kvcached.config import KvcachedConfig, enabled_from_env
+from kvcached.config import KvcachedConfig
 from kvcached.copy import copy_blocks
 from kvcached.errors import ConfigError, CopyValidationError, IntegrationError
+from kvcached.integration.vllm import install_state
 from kvcached.integration.vllm.capabilities import Capabilities
 from kvcached.integration.vllm.patching import PatchSet, require_own
 from kvcached.integration.vllm.view_regions import plan_regions, rebase
@@ -159,29 +161,39 @@ _logger = logging.getLogger(__name__)
 NULL_BLOCK_PAGE = 0
 
 
+_PART = "worker"
+
+
 @dataclass
 class _State:
-    caps: Capabilities | None = None
-    enabled: bool = False
+    """What the worker seams learn while engines are built (installation lives in `install_state`)."""
+
     #: range address -> block stride (bytes) of the backings this process allocated
     backing_strides: dict[int, int] = field(default_factory=dict)
     #: the config resolved for the engine being built, until its allocation takes it
     config: KvcachedConfig | None = None
 
 
+# Lock order: install_state.LOCK (held while installing) before _lock, never the reverse.
 _lock = threading.RLock()
-_patches = PatchSet()
+_patches = PatchSet()  # guarded by install_state.LOCK
 _state = _State()
 _profiling = threading.local()  # .active: inside _init_minimal_kv_cache_for_profiling
 
 
 def is_enabled() -> bool:
     """Whether the installed seams act (False: not installed, or installed disabled)."""
-    return _state.enabled
+    return install_state.is_enabled(_PART)
 
 
 def installed_capabilities() -> Capabilities | None:
-    return _state.caps
+    """The capabilities the seams were installed for, or None when not installed."""
+    return install_state.capabilities(_PART)
+
+
+def _acting() -> bool:
+    """The switch every worker seam reads (the process-wide install state)."""
+    return install_state.is_enabled()
 
 
 # ---- the engine's config ------------------------------------------------------------------
@@ -366,7 +378,7 @@ def allocate_kv_cache_tensors(runner: Any, kv_cache_config: Any) -> dict[str, to
 def _wrap_allocate(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _allocate_kv_cache_tensors(self: Any, kv_cache_config: Any) -> dict[str, torch.Tensor]:
-        if not _state.enabled or getattr(_profiling, "active", False):
+        if not _acting() or getattr(_profiling, "active", False):
             return original(self, kv_cache_config)
         return allocate_kv_cache_tensors(self, kv_cache_config)
 
@@ -434,7 +446,7 @@ def _wrap_allocate_views(original: Callable[..., Any]) -> Callable[..., Any]:
     def allocate_kv_cache(
         kv_cache_config: Any, device: Any, layout: Any, kernel_block_sizes: list[int] | None = None
     ) -> dict[str, torch.Tensor]:
-        if not _state.enabled or getattr(_profiling, "active", False):
+        if not _acting() or getattr(_profiling, "active", False):
             return original(kv_cache_config, device, layout, kernel_block_sizes)
         return allocate_kv_cache_views(kv_cache_config, device, layout, kernel_block_sizes, original)
 
@@ -514,9 +526,9 @@ def _wrap_reshape(original: Callable[..., Any]) -> Callable[..., Any]:
         self: Any, kv_cache_raw_tensors: dict[str, torch.Tensor], kernel_block_sizes: list[int]
     ) -> dict[str, Any]:
         kv_caches: dict[str, Any] = original(self, kv_cache_raw_tensors, kernel_block_sizes)
-        caps = _state.caps
-        if _state.enabled and caps is not None:
-            annotate_runner_views(self, kv_caches, kernel_block_sizes, caps)
+        state = install_state.current()
+        if state is not None and state.enabled:
+            annotate_runner_views(self, kv_caches, kernel_block_sizes, state.caps)
         return kv_caches
 
     return _reshape_kv_cache_tensors
@@ -526,7 +538,7 @@ def _wrap_reshape(original: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_copy(original: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original)
     def copy_kv_cache_blocks_inplace(kv_caches: Any, num_blocks: int, kv_cache_block_copies: Any) -> None:
-        if not _state.enabled:
+        if not _acting():
             original(kv_caches, num_blocks, kv_cache_block_copies)
             return
         copy_blocks(kv_caches, num_blocks, kv_cache_block_copies)
@@ -570,7 +582,7 @@ def capped_kv_bytes(virtual_bytes: int, config: KvcachedConfig | None = None) ->
 def _wrap_cpu_determine(original: Callable[..., int]) -> Callable[..., int]:
     @functools.wraps(original)
     def determine_available_memory(self: Any) -> int:
-        if not _state.enabled:
+        if not _acting():
             return original(self)
         config = _resolve_engine_config()
         explicit = self.cache_config.kv_cache_memory_bytes
@@ -588,7 +600,7 @@ def _wrap_gpu_determine(original: Callable[..., int]) -> Callable[..., int]:
     @functools.wraps(original)
     def determine_available_memory(self: Any) -> int:
         available = original(self)
-        return capped_kv_bytes(available, _resolve_engine_config()) if _state.enabled else available
+        return capped_kv_bytes(available, _resolve_engine_config()) if _acting() else available
 
     return determine_available_memory
 
@@ -596,7 +608,7 @@ def _wrap_gpu_determine(original: Callable[..., int]) -> Callable[..., int]:
 def _wrap_request_memory(original: Callable[..., int]) -> Callable[..., int]:
     @functools.wraps(original)
     def request_memory(init_snapshot: Any, cache_config: Any) -> int:
-        if not _state.enabled:
+        if not _acting():
             return original(init_snapshot, cache_config)
         # vLLM's share of the device, without "that much must be free now": peers'
         # elastic pages come and go, and kvcached admits only what can be mapped.
@@ -670,23 +682,21 @@ def _plan(caps: Capabilities) -> list[tuple[Any, str, Any]]:
     ]
 
 
-def install(caps: Capabilities) -> None:
+def install(caps: Capabilities, *, enabled: bool | None = None) -> None:
     """Replace the worker-side attributes; idempotent. Nothing is patched on error.
 
-    Installing again with different capabilities raises `IntegrationError`.
+    ``enabled``: the switch (None: the one already recorded in `install_state`, else
+    ``KVCACHED_ENABLE``/``ENABLE_KVCACHED`` now). Other capabilities or another switch
+    than the installed ones raise `IntegrationError`.
     """
+    install_state.install_part(_PART, caps, enabled, lambda: _patches.apply(_plan(caps)))  # validates first
+
+
+def _restore() -> None:
+    _patches.restore()
     with _lock:
-        if _patches:
-            if caps != _state.caps:
-                raise IntegrationError(
-                    f"worker seams already installed for vLLM {_state.caps.version if _state.caps else '?'}"
-                )
-            return
-        enabled = enabled_from_env()
-        plan = _plan(caps)  # validates everything before the first setattr
-        _patches.apply(plan)
-        _state.caps = caps
-        _state.enabled = enabled
+        _state.backing_strides = {}
+        _state.config = None
 
 
 def uninstall() -> None:
@@ -694,9 +704,4 @@ def uninstall() -> None:
 
     The published KV space is left alone: the engine's pool may still be using it.
     """
-    with _lock:
-        _patches.restore()
-        _state.caps = None
-        _state.enabled = False
-        _state.backing_strides = {}
-        _state.config = None
+    install_state.uninstall_part(_PART, _restore)
