@@ -68,6 +68,26 @@ def _assert_unchanged(lay: Layout, before: list[torch.Tensor]) -> None:
         assert torch.equal(b, old), f"{lay.name}: backing modified by a rejected batch"
 
 
+def test_copy_counters_are_public_api_and_import_kvcached_stays_cheap() -> None:
+    import kvcached
+
+    layout = build_layouts()[0]
+    reset_copy_stats()
+    copy_blocks(layout.kv_caches, layout.num_blocks, [KVCacheBlockCopy(s, d) for s, d in BATCH])
+    assert "copy_stats" in kvcached.__all__
+    public = kvcached.copy_stats()
+    assert public == copy_stats() and (public.batches, public.block_copies) == (1, len(BATCH))
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import sys
+        import kvcached
+        print(sorted(m for m in ("torch", "vllm", "kvcached.copy") if m in sys.modules))
+        print(kvcached.copy_stats(), "torch" in sys.modules)
+    """)], check=False, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "[]", "CopyStats(batches=0, block_copies=0, runs_copied=0) False"]
+
+
 def test_copy_matches_reference(layout: Layout) -> None:
     before = _snapshot(layout)
     expected = reference_copy(layout, BATCH)
