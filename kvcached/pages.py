@@ -43,6 +43,23 @@ class Range(Protocol):
     def physical_available(self) -> int: ...
 
 
+class KvPageSpace(Protocol):
+    """What a `PagePool` maps into: kv pages of one engine's KV cache.
+
+    `PageSpace` is the local one (this process's ranges); ``kvcached.ranks.RankedPageSpace``
+    maps the same kv pages on every rank of a multiprocess engine through a channel.
+    ``map_pages`` is all-or-nothing: when it raises, no page of the batch is mapped.
+    """
+
+    @property
+    def num_kv_pages(self) -> int: ...
+    @property
+    def kv_page_bytes(self) -> int: ...
+    def map_pages(self, kv_pages: Sequence[int]) -> None: ...
+    def unmap_pages(self, kv_pages: Sequence[int]) -> None: ...
+    def physical_available(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class PageSpace:
     """Geometry: kv page -> VMM pages of each backing.
@@ -84,6 +101,17 @@ class PageSpace:
                 self.ranges[r].unmap(list(self.vmm_pages(r, kv_page)))
             raise
 
+    def map_pages(self, kv_pages: Sequence[int]) -> None:
+        """Map every page of the batch in every range; all-or-nothing across the batch."""
+        done: list[int] = []
+        try:
+            for page in kv_pages:
+                self.map_page(page)
+                done.append(page)
+        except BaseException:
+            self.unmap_pages(done)
+            raise
+
     def unmap_pages(self, kv_pages: Sequence[int]) -> None:
         if not kv_pages:
             return
@@ -110,7 +138,7 @@ class PagePool:
 
     def __init__(
         self,
-        space: PageSpace,
+        space: KvPageSpace,
         config: KvcachedConfig,
         *,
         fence: StepFence | None = None,
@@ -154,23 +182,26 @@ class PagePool:
 
     # ---- mechanism -----------------------------------------------------------------
     def _map_batch(self, pages: Sequence[int]) -> None:
-        """Map ``pages`` (all unmapped) into the reserve; all-or-nothing."""
-        done: list[int] = []
+        """Map ``pages`` (all unmapped) into the reserve; all-or-nothing.
+
+        Site ``"map"`` is checked once per page *before* anything is mapped, so an injected
+        failure on the n-th page costs no mapping and the space sees one batch (one round
+        trip for a space that spans ranks).
+        """
+        if not pages:
+            return
         try:
-            for page in pages:
-                if self.faults is not None:
+            if self.faults is not None:
+                for _ in pages:
                     self.faults.check("map")
-                self.space.map_page(page)
-                done.append(page)
+            self.space.map_pages(pages)
         except PhysicalMemoryExhausted:
             self._failures += 1
-            self.space.unmap_pages(done)
+            self._capacity = None
             raise
-        finally:
-            if done:
-                self._capacity = None
-        self._maps += len(done)
-        for page in done:
+        self._capacity = None
+        self._maps += len(pages)
+        for page in pages:
             self.reserve[page] = 0
         self._peak = max(self._peak, len(self.in_use) + len(self.reserve))
 

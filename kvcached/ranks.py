@@ -1,0 +1,232 @@
+"""Pages on every rank: the scheduler↔worker page protocol, independent of any engine.
+
+In a multiprocess engine the scheduler decides which kv pages are mapped, but the memory
+lives in other processes: one worker per tensor-parallel rank, each holding its shard of
+every layer in virtual ranges of the same geometry. This module is both ends of the page
+protocol between them:
+
+* `RankPages` (worker side, one per rank) owns that rank's `PageSpace` and answers
+  `PageRequest`s with a `RankReply`: map (all-or-nothing on the rank), unmap, capacity,
+  close. It never raises for a refused map: exhaustion, a driver error or an injected fault
+  is *reported*, with the rank and the reason, so the scheduler can undo the other ranks.
+* `RankedPageSpace` (scheduler side) is the `KvPageSpace` a `PagePool` maps into. A batch is
+  mapped on every rank through a `PageChannel`; if any rank refuses, the batch is unmapped
+  on the ranks that did map it and `PhysicalMemoryExhausted` (or `DriverError`) is raised
+  with nothing mapped anywhere, which the pool turns into a scheduling miss.
+
+The channel is the engine's own: vLLM's executor ``collective_rpc``, which delivers requests
+to every rank in order, behind the steps already sent. That order is the fence: a page is
+mapped on every rank before any later step runs there, and an unmap sent after step N has
+executed reaches each rank only after that rank has run step N. Requests and replies are
+plain data (ints, strings), so any transport can carry them.
+
+Cost: the pool batches maps ahead of demand (its reserve), so a round trip happens when the
+reserve is refilled or trimmed, never per step while the reserve covers demand.
+`RankedPageSpace.calls` counts the round trips by operation.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from kvcached.errors import DriverError, InvariantError, KvcachedError, PhysicalMemoryExhausted
+from kvcached.pages import PageSpace
+from kvcached.space import Geometry
+
+Op = Literal["map", "unmap", "capacity", "close"]
+#: A refusal's kind, as the worker reports it.
+Refusal = Literal["", "exhausted", "driver"]
+
+
+@dataclass(frozen=True, slots=True)
+class PageRequest:
+    """One page operation for the ranks in ``ranks`` (empty: every rank)."""
+
+    op: Op
+    pages: tuple[int, ...] = ()
+    ranks: frozenset[int] = frozenset()
+
+    def applies_to(self, rank: int) -> bool:
+        return not self.ranks or rank in self.ranks
+
+
+@dataclass(frozen=True, slots=True)
+class RankReply:
+    """One rank's answer. ``ok`` False: nothing of the request happened on that rank."""
+
+    rank: int
+    ok: bool
+    refusal: Refusal = ""
+    message: str = ""
+    available_bytes: int = 0  # physical bytes this rank could still map after the request
+
+
+@dataclass(frozen=True, slots=True)
+class RankLayout:
+    """What a rank reports at start: its geometry and the pages it already mapped."""
+
+    rank: int
+    geometry: dict[str, object]
+    premapped: tuple[int, ...]
+    available_bytes: int
+
+
+class RankPages:
+    """Worker side: one rank's KV ranges and the protocol's answers for them.
+
+    Invariant: ``mapped`` is exactly the set of kv pages mapped in every range of ``space``.
+    """
+
+    def __init__(self, rank: int, space: PageSpace, geometry: Geometry, premapped: Sequence[int] = ()) -> None:
+        self.rank = rank
+        self.space = space
+        self.geometry = geometry
+        self.mapped: set[int] = set(premapped)
+        self._lock = threading.Lock()
+
+    def layout(self) -> RankLayout:
+        return RankLayout(self.rank, self.geometry.to_dict(), tuple(sorted(self.mapped)), self._available())
+
+    def _available(self) -> int:
+        return int(self.space.physical_available())
+
+    def handle(self, request: PageRequest) -> RankReply:
+        """Apply ``request`` on this rank; report, never raise, a refused or failed operation."""
+        with self._lock:
+            if not request.applies_to(self.rank):
+                return RankReply(self.rank, True, available_bytes=self._available())
+            try:
+                self._apply(request)
+            except PhysicalMemoryExhausted as e:
+                return RankReply(self.rank, False, "exhausted", f"{type(e).__name__}: {e}", self._available())
+            except KvcachedError as e:
+                return RankReply(self.rank, False, "driver", f"{type(e).__name__}: {e}", self._available())
+            return RankReply(self.rank, True, available_bytes=self._available())
+
+    def _apply(self, request: PageRequest) -> None:
+        pages = list(request.pages)
+        if request.op == "map":
+            if clash := sorted(set(pages) & self.mapped):
+                raise InvariantError(f"rank {self.rank}: kv pages {clash} are already mapped")
+            self.space.map_pages(pages)  # all-or-nothing on this rank
+            self.mapped.update(pages)
+        elif request.op == "unmap":
+            if stray := sorted(set(pages) - self.mapped):
+                raise InvariantError(f"rank {self.rank}: kv pages {stray} are not mapped")
+            self.space.unmap_pages(pages)
+            self.mapped.difference_update(pages)
+        elif request.op == "close":
+            self.close()
+        elif request.op != "capacity":
+            raise InvariantError(f"unknown page operation {request.op!r}")
+
+    def close(self) -> None:
+        """Unmap every page (teardown); idempotent."""
+        pages = sorted(self.mapped)
+        self.mapped.clear()
+        self.space.unmap_pages(pages)
+
+
+class PageChannel(Protocol):
+    """Delivers one request to every rank, in order after everything sent before, and
+    returns every rank's reply (one per rank, any order)."""
+
+    def call(self, request: PageRequest) -> list[RankReply]: ...
+
+
+@dataclass
+class RankedPageSpace:
+    """Scheduler side: the kv pages of an engine whose memory lives on ``ranks`` ranks.
+
+    Invariant: a page this space reports mapped is mapped on every rank; a failed
+    `map_pages` leaves it unmapped on every rank (or raises `InvariantError` naming the
+    ranks where undoing failed too, which is never a silent state).
+    """
+
+    geometry: Geometry
+    channel: PageChannel
+    ranks: int
+    capacity_ttl_s: float = 0.1
+    calls: Counter[str] = field(default_factory=Counter)
+    _available: tuple[float, int] = (0.0, 0)
+
+    @property
+    def num_kv_pages(self) -> int:
+        return self.geometry.num_kv_pages
+
+    @property
+    def kv_page_bytes(self) -> int:
+        return sum(self.geometry.vmm_pages) * self.geometry.page_size
+
+    def note_available(self, replies: Sequence[RankReply]) -> None:
+        """Capacity is the smallest rank's (every rank must map every page)."""
+        if replies:
+            self._available = (time.monotonic(), min(r.available_bytes for r in replies))
+
+    def _call(self, request: PageRequest) -> list[RankReply]:
+        replies = self.channel.call(request)
+        self.calls[request.op] += 1
+        if sorted(r.rank for r in replies) != list(range(self.ranks)):
+            raise InvariantError(f"{request.op}: replies from ranks {sorted(r.rank for r in replies)}, "
+                                 f"expected 0..{self.ranks - 1}")
+        self.note_available(replies)
+        return replies
+
+    def map_pages(self, kv_pages: Sequence[int]) -> None:
+        if not kv_pages:
+            return
+        request = PageRequest("map", tuple(kv_pages))
+        replies = self._call(request)
+        refused = [r for r in replies if not r.ok]
+        if not refused:
+            return
+        done = frozenset(r.rank for r in replies if r.ok)
+        if done:
+            undo = self._call(PageRequest("unmap", request.pages, done))
+            if stuck := [r for r in undo if not r.ok]:
+                raise InvariantError(f"map refused on {_names(refused)}; undoing it failed on {_names(stuck)}")
+        why = "; ".join(f"rank {r.rank}: {r.message}" for r in refused)
+        if all(r.refusal == "exhausted" for r in refused):
+            raise PhysicalMemoryExhausted(f"kv pages {list(kv_pages)} not mapped: {why}")
+        raise DriverError(f"kv pages {list(kv_pages)} not mapped: {why}")
+
+    def unmap_pages(self, kv_pages: Sequence[int]) -> None:
+        if not kv_pages:
+            return
+        replies = self._call(PageRequest("unmap", tuple(kv_pages)))
+        if failed := [r for r in replies if not r.ok]:
+            raise DriverError(f"kv pages {list(kv_pages)} not unmapped on {_names(failed)}")
+
+    def physical_available(self) -> int:
+        t, available = self._available
+        if time.monotonic() - t >= self.capacity_ttl_s:
+            self._call(PageRequest("capacity"))
+            available = self._available[1]
+        return available
+
+
+def _names(replies: Sequence[RankReply]) -> str:
+    return ", ".join(f"rank {r.rank} ({r.refusal or 'error'}: {r.message})" for r in replies)
+
+
+def check_layouts(layouts: Sequence[RankLayout]) -> tuple[Geometry, frozenset[int], int]:
+    """Every rank must report the same geometry and premapped pages; returns them and the
+    smallest rank's available bytes. Raises `InvariantError` naming the first disagreement."""
+    if not layouts:
+        raise InvariantError("no rank reported a KV layout")
+    ranks = sorted(lo.rank for lo in layouts)
+    if ranks != list(range(len(layouts))):
+        raise InvariantError(f"KV layouts came from ranks {ranks}")
+    first = layouts[0]
+    for lo in layouts[1:]:
+        if (lo.geometry, lo.premapped) != (first.geometry, first.premapped):
+            raise InvariantError(
+                f"rank {lo.rank} reserved another KV geometry than rank {first.rank}: "
+                f"{lo.geometry} / premapped {lo.premapped} != {first.geometry} / premapped {first.premapped}"
+            )
+    return Geometry.from_dict(first.geometry), frozenset(first.premapped), min(lo.available_bytes for lo in layouts)

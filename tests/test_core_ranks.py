@@ -1,0 +1,115 @@
+"""The page protocol between a scheduler and its ranks, on real CPU virtual ranges.
+
+Each "rank" is a real `RankPages` over its own `kvcached._vmm.VirtualRange`s; the channel
+hands every request to every rank in order, as vLLM's ``collective_rpc`` does. Refusals are
+real: a rank whose physical budget is smaller runs out of memory first.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcached import _vmm
+from kvcached.config import KvcachedConfig
+from kvcached.errors import InvariantError, PhysicalMemoryExhausted
+from kvcached.pages import PagePool, PageSpace
+from kvcached.ranks import PageRequest, RankedPageSpace, RankLayout, RankPages, RankReply, check_layouts
+from kvcached.space import plan_geometry
+
+PAGE = 64 << 10
+STRIDES = (16 << 10, 32 << 10)  # two backings: 4 and 2 blocks per VMM page
+NUM_BLOCKS = 64
+
+
+class InOrderChannel:
+    """Every request to every rank, one after the other (what collective_rpc guarantees)."""
+
+    def __init__(self, ranks: list[RankPages]) -> None:
+        self.ranks = ranks
+        self.log: list[PageRequest] = []
+
+    def call(self, request: PageRequest) -> list[RankReply]:
+        self.log.append(request)
+        return [r.handle(request) for r in self.ranks]
+
+
+def _rank(rank: int, budget_bytes: int | None = None) -> RankPages:
+    geometry = plan_geometry(STRIDES, NUM_BLOCKS, PAGE)
+    budget = _vmm.Budget(budget_bytes, "") if budget_bytes is not None else None
+    ranges = tuple(_vmm.VirtualRange("cpu", size, PAGE, budget) for size in geometry.reserved_bytes)
+    return RankPages(rank, PageSpace(ranges, geometry.vmm_pages, geometry.num_kv_pages), geometry)
+
+
+def _kv_page_bytes() -> int:
+    g = plan_geometry(STRIDES, NUM_BLOCKS, PAGE)
+    return sum(g.vmm_pages) * PAGE
+
+
+def _engine(*budgets: int | None) -> tuple[RankedPageSpace, list[RankPages], InOrderChannel]:
+    ranks = [_rank(i, b) for i, b in enumerate(budgets)]
+    channel = InOrderChannel(ranks)
+    geometry, premapped, _ = check_layouts([r.layout() for r in ranks])
+    assert not premapped
+    return RankedPageSpace(geometry, channel, len(ranks)), ranks, channel
+
+
+def test_a_batch_is_mapped_on_every_rank() -> None:
+    space, ranks, channel = _engine(None, None)
+    space.map_pages([0, 1, 2])
+    assert all(r.mapped == {0, 1, 2} for r in ranks)
+    space.unmap_pages([1])
+    assert all(r.mapped == {0, 2} for r in ranks)
+    assert dict(space.calls) == {"map": 1, "unmap": 1}
+    assert [req.op for req in channel.log] == ["map", "unmap"]
+
+
+def test_a_rank_that_runs_out_refuses_and_the_others_undo() -> None:
+    kv = _kv_page_bytes()
+    space, ranks, channel = _engine(None, 2 * kv)  # rank 1 can hold two kv pages only
+    space.map_pages([0, 1])
+    with pytest.raises(PhysicalMemoryExhausted, match="rank 1"):
+        space.map_pages([2, 3])
+    # Nothing of the refused batch survives on either rank; the earlier batch is intact.
+    assert ranks[0].mapped == ranks[1].mapped == {0, 1}
+    undo = channel.log[-1]
+    assert undo.op == "unmap" and undo.ranks == frozenset({0}) and undo.pages == (2, 3)
+    assert space.physical_available() == 0  # the smallest rank's capacity
+
+
+def test_the_pool_turns_a_refusal_into_a_miss_and_maps_later() -> None:
+    kv = _kv_page_bytes()
+    space, ranks, _ = _engine(None, 3 * kv)
+    pool = PagePool(space, KvcachedConfig(min_reserve_pages=0, max_reserve_pages=0))
+    pool.acquire([0, 1, 2])
+    with pytest.raises(PhysicalMemoryExhausted):
+        pool.acquire([3])
+    assert pool.mapped == {0, 1, 2} and all(r.mapped == {0, 1, 2} for r in ranks)
+    assert pool.counters().map_failures == 1
+    pool.release([2])
+    pool.collect()  # no fence step pending: page 2 goes back on every rank
+    pool.acquire([3])
+    assert all(r.mapped == {0, 1, 3} for r in ranks)
+    pool.close()
+    assert all(not r.mapped for r in ranks)
+
+
+def test_ranks_must_agree_on_the_layout() -> None:
+    a, b = _rank(0), _rank(1)
+    check_layouts([a.layout(), b.layout()])
+    other = RankLayout(1, {**b.layout().geometry, "num_blocks": NUM_BLOCKS + 4}, (), 0)
+    with pytest.raises(InvariantError, match="rank 1 reserved another KV geometry"):
+        check_layouts([a.layout(), other])
+    with pytest.raises(InvariantError, match="ranks"):
+        check_layouts([a.layout(), RankLayout(2, a.layout().geometry, (), 0)])
+
+
+def test_misuse_is_reported_by_the_rank_not_raised_through_the_channel() -> None:
+    rank = _rank(0)
+    assert rank.handle(PageRequest("map", (1,))).ok
+    reply = rank.handle(PageRequest("map", (1,)))
+    assert not reply.ok and reply.refusal == "driver" and "already mapped" in reply.message
+    assert rank.mapped == {1}
+    assert rank.handle(PageRequest("unmap", (1,), frozenset({5}))).ok  # not addressed to rank 0
+    assert rank.mapped == {1}
+    rank.close()
+    assert not rank.mapped
