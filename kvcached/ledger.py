@@ -176,7 +176,7 @@ class BlockLedger:
             live_blocks=self.num_held,
             capacity_blocks=self.num_blocks,
             kv_page_bytes=page_bytes,
-            vmm_page_bytes=self.pool.space.ranges[0].page_size,
+            vmm_page_bytes=self.pool.space.vmm_page_bytes,
             maps=c.maps,
             unmaps=c.unmaps,
             map_failures=c.map_failures,

@@ -55,6 +55,8 @@ class KvPageSpace(Protocol):
     def num_kv_pages(self) -> int: ...
     @property
     def kv_page_bytes(self) -> int: ...
+    @property
+    def vmm_page_bytes(self) -> int: ...
     def map_pages(self, kv_pages: Sequence[int]) -> None: ...
     def unmap_pages(self, kv_pages: Sequence[int]) -> None: ...
     def physical_available(self) -> int: ...
@@ -80,6 +82,10 @@ class PageSpace:
                     f"backing of {r.num_pages} pages cannot hold {self.num_kv_pages} kv pages "
                     f"of {k} VMM pages"
                 )
+
+    @property
+    def vmm_page_bytes(self) -> int:
+        return self.ranges[0].page_size
 
     @property
     def kv_page_bytes(self) -> int:

@@ -163,6 +163,10 @@ class RankedPageSpace:
     def kv_page_bytes(self) -> int:
         return sum(self.geometry.vmm_pages) * self.geometry.page_size
 
+    @property
+    def vmm_page_bytes(self) -> int:
+        return self.geometry.page_size
+
     def note_available(self, replies: Sequence[RankReply]) -> None:
         """Capacity is the smallest rank's (every rank must map every page)."""
         if replies:
