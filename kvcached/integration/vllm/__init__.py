@@ -42,6 +42,6 @@ def status() -> IntegrationStatus:
     state = install_state.current()
     if state is not None and state.complete:
         return IntegrationStatus(installed=True, enabled=state.enabled, vllm_version=state.caps.version)
-    from kvcached.integration.vllm.capabilities import installed_version
+    from kvcached.integration.vllm.capabilities import vllm_version
 
-    return IntegrationStatus(installed=False, enabled=False, vllm_version=installed_version())
+    return IntegrationStatus(installed=False, enabled=False, vllm_version=vllm_version())

@@ -120,7 +120,7 @@ def detect() -> Capabilities:
     return capabilities_for(vllm.__version__)
 
 
-def installed_version() -> str | None:
+def vllm_version() -> str | None:
     """``vllm.__version__`` (importing vLLM), or None when vLLM cannot be imported."""
     try:
         import vllm
