@@ -19,7 +19,7 @@ from kvcached.faults import FaultInjector
 from kvcached.fence import StepFence
 from kvcached.ledger import BlockLedger
 from kvcached.pages import PagePool
-from kvcached.space import KvSpace, withdraw
+from kvcached.space import KvSpace
 from kvcached.stats import register, unregister
 
 
@@ -85,10 +85,8 @@ class ElasticArena:
         return arena
 
     def close(self) -> None:
-        """Leave the stats registry, unmap every page, withdraw the space. Idempotent, silent.
+        """Leave the stats registry and unmap every page. Idempotent, silent.
 
-        Withdrawing forgets the space only if it is the one published in `kvcached.space`
-        (the in-process worker-to-scheduler handoff); a space never published is untouched.
         Only for a stopped engine: views over the space stay reserved but unmapped.
         """
         if self.closed:
@@ -97,7 +95,12 @@ class ElasticArena:
         unregister(self.stats_key)
         self.stats_key = ""
         self.pool.close()
-        withdraw(self.space)
+
+    def abandon(self) -> None:
+        """Leave the stats registry without unmapping: whoever held the pages is gone."""
+        self.closed = True
+        unregister(self.stats_key)
+        self.stats_key = ""
 
 
 def make_budget(config: KvcachedConfig):  # -> kvcached._vmm.Budget | None

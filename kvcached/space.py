@@ -1,36 +1,30 @@
-"""KV space: the worker's backings, and the page geometry shared with the scheduler.
+"""KV space: an engine's KV backings, and the page geometry every process agrees on.
 
-At tensor-parallel size 1 the worker and the scheduler live in one process (vLLM's
-EngineCore runs the executor in-process). The worker reserves one virtual range per
-KV backing and *publishes* them here; the scheduler-side pool, built right after,
-*claims* the published space and maps pages into exactly those ranges. The space carries
-the `KvcachedConfig` the worker resolved and planned with, so the pool runs on the very
-same values (page size, reserve, budget, fault plan) instead of reading them again.
+The worker reserves one virtual range per KV backing (on every rank: each holds its shard
+of every layer) with the same geometry, a pure function of the block strides, the block
+count and the page size. The scheduler's pool maps kv pages into them: directly when the
+ranges are its own (`PageSpace`), or on every rank through the engine's own channel
+(``kvcached.ranks``), which carries the geometry (`Geometry.to_dict`) and the config the
+worker resolved, so the pool runs on the very same values (page size, reserve, budget,
+fault plan) instead of reading them again.
 
 Geometry. Backing ``r`` stores logical block ``b`` at bytes ``[b*stride_r, ...)``. A kv
 page must cover whole VMM pages in every backing, so it holds
 ``blocks_per_page = lcm_r(page_size / gcd(page_size, stride_r))`` blocks and spans
 ``blocks_per_page * stride_r / page_size`` VMM pages of backing ``r``. No block ever
 straddles a kv page, and no VMM page is shared by two kv pages.
-
-TP > 1 (a design; kvcached runs at TP=1 today): every rank reserves the same geometry (it is a pure
-function of the KV config), and the scheduler sends the kv pages to map/unmap with each
-step through vLLM's own scheduler-to-worker channel, so ranks map identical pages before
-the step runs; a rank that fails reports it in its step output and the scheduler unmaps
-the batch on every rank (no partial state survives a step).
 """
 
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 from kvcached.config import KvcachedConfig
-from kvcached.errors import ConfigError, IntegrationError
-from kvcached.pages import PageSpace, Range
+from kvcached.errors import ConfigError
+from kvcached.pages import KvPageSpace, PageSpace, Range
 
 #: Refuse geometries where one kv page would need more VMM pages than this per backing
 #: (a pathological block stride); the user should pick another page size instead.
@@ -125,62 +119,39 @@ def plan_geometry(strides: Sequence[int], num_blocks: int, page_size: int) -> Ge
 
 @dataclass(frozen=True)
 class KvSpace:
-    """The published backings of one engine's KV cache, their geometry and config.
+    """One engine's KV cache as a pool sees it: geometry, config, and where pages map.
 
-    ``premapped``: kv pages the publisher already mapped in every range before any pool
-    existed (the worker maps the null block's page so warm-up runs may read it). The pool
-    that claims the space adopts them instead of mapping them again.
+    The pages are either this process's ``ranges`` (a worker's own backings, a probe, a
+    test) or a ``pages`` space that maps them elsewhere (``kvcached.ranks.RankedPageSpace``:
+    on every rank of a multiprocess engine, through the engine's own channel).
 
-    ``config``: the config the publisher resolved and planned the geometry with; the pool
-    over this space uses it (`kvcached.arena.ElasticArena.open`). None only for spaces
-    built without one (tests, probes), whose pool must be given a config explicitly.
-    Invariant: ``config is None or config.page_size == geometry.page_size``.
+    ``premapped``: kv pages already mapped (on every rank) before any pool existed (the
+    worker maps the null block's page so warm-up runs may read it). The pool adopts them
+    instead of mapping them again.
+
+    ``config``: the config the worker resolved and planned the geometry with; the pool over
+    this space uses it (`kvcached.arena.ElasticArena.open`). None only for spaces built
+    without one (tests, probes), whose pool must be given a config explicitly.
+    Invariants: exactly one of ``ranges`` and ``pages``; ``config is None or
+    config.page_size == geometry.page_size``.
     """
 
     geometry: Geometry
-    ranges: tuple[Range, ...]
+    ranges: tuple[Range, ...] = ()
     premapped: frozenset[int] = frozenset()
     config: KvcachedConfig | None = None
+    pages: KvPageSpace | None = None
 
     def __post_init__(self) -> None:
+        if bool(self.ranges) == (self.pages is not None):
+            raise ConfigError("a KV space maps into either local ranges or a page space, exactly one")
         if self.config is not None and self.config.page_size != self.geometry.page_size:
             raise ConfigError(
                 f"KV space planned with page size {self.geometry.page_size} but its config has "
                 f"KVCACHED_PAGE_SIZE={self.config.page_size}"
             )
 
-    def page_space(self) -> PageSpace:
+    def page_space(self) -> KvPageSpace:
+        if self.pages is not None:
+            return self.pages
         return PageSpace(self.ranges, self.geometry.vmm_pages, self.geometry.num_kv_pages)
-
-
-_lock = threading.Lock()
-_published: KvSpace | None = None
-
-
-def publish(space: KvSpace) -> None:
-    """Worker side: make this engine's KV backings available to the scheduler pool."""
-    global _published
-    with _lock:
-        _published = space
-
-
-def claim(num_blocks: int) -> KvSpace | None:
-    """Scheduler side: the published space, checked against the scheduler's block count."""
-    with _lock:
-        space = _published
-    if space is None:
-        return None
-    if space.geometry.num_blocks != num_blocks:
-        raise IntegrationError(
-            f"worker published {space.geometry.num_blocks} KV blocks but the scheduler has "
-            f"{num_blocks}: the two sides disagree on the KV geometry"
-        )
-    return space
-
-
-def withdraw(space: KvSpace | None = None) -> None:
-    """Forget the published space (engine shutdown)."""
-    global _published
-    with _lock:
-        if space is None or _published is space:
-            _published = None

@@ -12,7 +12,7 @@ from kvcached import ConfigError
 from kvcached.arena import ElasticArena
 from kvcached.config import KvcachedConfig
 from kvcached.fence import StepFence
-from kvcached.space import Geometry, KvSpace, claim, plan_geometry, publish, withdraw
+from kvcached.space import Geometry, KvSpace, plan_geometry
 from kvcached.stats import stats
 
 PAGE = 4096
@@ -107,17 +107,21 @@ def test_the_arena_adopts_premapped_pages_pins_and_closes_once(vrange) -> None:
     geometry, r = vrange
     r.map([0])  # what the worker does for the null block before any pool exists
     space = KvSpace(geometry, (r,), frozenset({0}), _config())
-    publish(space)
-    try:
-        arena = ElasticArena.open(space, name="space-test", pinned=(0, 5))
-        assert arena.ledger.is_held(0) and arena.ledger.is_held(5) and r.mapped_pages() == [0, 1]
-        counters = arena.pool.counters()
-        assert (counters.maps, counters.mapped_pages) == (2, 2), "page 0 adopted, page 1 mapped"
-        key = arena.stats_key
-        assert key in stats() and claim(16) is space
-        arena.close()
-        assert arena.closed and r.num_mapped == 0 and key not in stats() and claim(16) is None
-        arena.close()  # idempotent
-        assert r.num_mapped == 0
-    finally:
-        withdraw(space)
+    arena = ElasticArena.open(space, name="space-test", pinned=(0, 5))
+    assert arena.ledger.is_held(0) and arena.ledger.is_held(5) and r.mapped_pages() == [0, 1]
+    counters = arena.pool.counters()
+    assert (counters.maps, counters.mapped_pages) == (2, 2), "page 0 adopted, page 1 mapped"
+    key = arena.stats_key
+    assert key in stats()
+    arena.close()
+    assert arena.closed and r.num_mapped == 0 and key not in stats()
+    arena.close()  # idempotent
+    assert r.num_mapped == 0
+
+
+def test_a_space_maps_into_ranges_or_a_page_space_never_both(vrange) -> None:
+    geometry, r = vrange
+    with pytest.raises(ConfigError, match="exactly one"):
+        KvSpace(geometry)
+    with pytest.raises(ConfigError, match="exactly one"):
+        KvSpace(geometry, (r,), pages=KvSpace(geometry, (r,)).page_space())

@@ -11,9 +11,8 @@ from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
 import kvcached
-from kvcached import space as kv_space
 from kvcached.config import KvcachedConfig
-from kvcached.errors import IntegrationError
+from kvcached.errors import IntegrationError, InvariantError
 from kvcached.integration.vllm import capabilities, scheduler
 from kvcached.integration.vllm.block_pool import ElasticBlockPool
 from kvcached.space import KvSpace, plan_geometry
@@ -42,19 +41,31 @@ def coordinator(cfg: KVCacheConfig, *, caching: bool = True, scheduler_block_siz
     )
 
 
+class Attached(list):
+    """Pools the test built, attached to ``space`` as the EngineCore seam would (and closed after)."""
+
+    def __init__(self, space: KvSpace, pools: list[ElasticBlockPool]) -> None:
+        super().__init__(pools)
+        self.space = space
+
+    def append(self, pool: ElasticBlockPool) -> None:  # type: ignore[override]
+        if not pool.attached:
+            pool.attach(self.space)
+        super().append(pool)
+
+
 @pytest.fixture
 def published():
     """Scheduler seams installed and a worker-side KV space published, as at TP=1."""
     geometry = plan_geometry([1024], NUM_BLOCKS, PAGE)
     vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE)
     space = KvSpace(geometry, (vrange,), config=KvcachedConfig(page_size=PAGE))
-    kv_space.publish(space)
     scheduler.install(capabilities.detect(), enabled=True)
     pools: list[ElasticBlockPool] = []
-    yield pools
+    attached = Attached(space, pools)
+    yield attached
     scheduler.uninstall()
-    kv_space.withdraw(space)
-    for pool in pools:
+    for pool in attached:
         pool.close()
     vrange.close()
 
@@ -107,10 +118,18 @@ def test_absent_or_invalid_hash_granularity_raises_at_the_seam(published, kwargs
     assert "hash_block_size" in str(info.value)
 
 
-def test_no_published_space_is_an_integration_error() -> None:
-    scheduler.install(capabilities.detect(), enabled=True)
-    try:
-        with pytest.raises(IntegrationError, match="no KV space was published"):
-            coordinator(config(full()))
-    finally:
-        scheduler.uninstall()
+def test_the_coordinator_builds_the_pool_detached_and_the_engine_attaches_it(published) -> None:
+    pool = coordinator(config(full())).block_pool
+    assert isinstance(pool, ElasticBlockPool) and not pool.attached and not pool.closed
+    before = set(kvcached.stats())
+    published.append(pool)
+    assert pool.attached and set(kvcached.stats()) - before
+    with pytest.raises(InvariantError, match="already attached"):
+        pool.attach(published.space)
+    other = KvSpace(plan_geometry([1024], NUM_BLOCKS + 4, PAGE), published.space.ranges,
+                    config=published.space.config)
+    fresh = coordinator(config(full())).block_pool
+    with pytest.raises(IntegrationError, match="blocks but the pool has"):
+        fresh.attach(other)
+    fresh.close()
+    assert fresh.closed

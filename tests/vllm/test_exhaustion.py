@@ -20,7 +20,6 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request
 from vllm_requests import make_request
 
-from kvcached import space as kv_space
 from kvcached.config import KvcachedConfig
 from kvcached.integration.vllm import capabilities, scheduler
 from kvcached.integration.vllm.block_pool import ElasticBlockPool
@@ -60,7 +59,6 @@ class Engine:
         self.budget = _vmm.Budget(budget_pages * PAGE)
         self.vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE, self.budget)
         self.space = KvSpace(geometry, (self.vrange,), config=KvcachedConfig.resolve())
-        kv_space.publish(self.space)
         scheduler.install(capabilities.detect(), enabled=True)
         cfg = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
             KVCacheGroupSpec(["layer0"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8,
@@ -69,6 +67,7 @@ class Engine:
                                       enable_caching=True, enable_kv_cache_events=True)
         pool = self.manager.block_pool
         assert isinstance(pool, ElasticBlockPool)
+        pool.attach(self.space)  # as the EngineCore seam does with the ranks' space
         assert pool.config is self.space.config, "the published config, not a second resolution"
         self.pool = pool
         self.faults = pool.faults
@@ -86,7 +85,6 @@ class Engine:
     def close(self) -> None:
         self._env.undo()
         scheduler.uninstall()
-        kv_space.withdraw(self.space)
         self.pool.close()
         self.vrange.close()
 

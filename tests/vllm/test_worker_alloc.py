@@ -36,7 +36,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.worker import gpu_model_runner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-from worker_env import worker_installed
+from worker_env import forget_all, registered_space, worker_installed
 
 from kvcached import space
 from kvcached.copy import copy_stats, reset_copy_stats
@@ -76,8 +76,7 @@ def make_runner(config: KVCacheConfig, groups: list[tuple[Any, type, list[str]]]
 def build(config: KVCacheConfig, groups: list[tuple[Any, type, list[str]]]) -> tuple[dict[str, Any], space.KvSpace]:
     runner = make_runner(config, groups)
     raw = GPUModelRunner._allocate_kv_cache_tensors(runner, config)
-    published = space.claim(config.num_blocks)
-    assert published is not None
+    published = registered_space(next(iter(raw.values())))
     # exactly KVCacheTensor.size bytes per tensor, over a range where only the null block's
     # kv page is mapped (warm-up may read block 0 before the scheduler's pool exists)
     for t in config.kv_cache_tensors:
@@ -212,16 +211,16 @@ def test_profiling_kv_cache_is_plain_memory() -> None:
         kv_cache_groups=[KVCacheGroupSpec(["l0"], ATTN)],
     )
     runner = make_runner(config, [(ATTN, CPUAttentionBackend, ["l0"])])
-    space.withdraw()
+    forget_all()
     mark = worker._wrap_profiling(lambda self: GPUModelRunner._allocate_kv_cache_tensors(self, config))
     raw = mark(runner)
-    assert space.claim(N) is None  # nothing published
+    assert not worker.registered_rank_kv()  # nothing registered
     assert torch.count_nonzero(raw["l0"]) == 0  # vLLM's torch.zeros, readable everywhere
 
 
-def test_the_engine_config_is_resolved_once_and_published_with_the_space(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_engine_config_is_resolved_once_and_carried_with_the_space(monkeypatch: pytest.MonkeyPatch) -> None:
     """The capacity report resolves the engine's config; the allocation plans with that one
-    and publishes it for the pool, even if the environment changed in between. The next
+    and carries it with the space for the pool, even if the environment changed in between. The next
     engine built in the process resolves its own."""
     config = KVCacheConfig(
         num_blocks=N,
@@ -234,7 +233,7 @@ def test_the_engine_config_is_resolved_once_and_published_with_the_space(monkeyp
     monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(2 * PAGE_SIZE))  # too late for this engine
     _, first = build(config, groups)
     assert first.config is not None and first.config.page_size == first.geometry.page_size == PAGE_SIZE
-    space.withdraw()
+    forget_all()
     _, second = build(config, groups)  # a later engine, no report: resolved at its allocation
     assert second.config is not None and second.config.page_size == second.geometry.page_size == 2 * PAGE_SIZE
 

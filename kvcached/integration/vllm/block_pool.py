@@ -51,13 +51,17 @@ Pages whose blocks are all CLEAN go back to the `PagePool`, ticketed by the step
 
 Start and teardown. The physical parts (config, fence, fault injector, `PagePool`,
 `BlockLedger`, stats entry) are one `kvcached.arena.ElasticArena`, assembled there and
-nowhere else; the config is the one the worker resolved and published with the space.
-The worker maps the null block's kv page when it allocates the KV tensors (warm-up runs
-may read block 0 before this pool exists); the arena adopts that page and pins the null
-block on it. `close` closes the arena: every page unmapped, the stats entry gone, the
-published space withdrawn; the scheduler seam calls it from ``Scheduler.shutdown``
-(engine shutdown), and a finalizer calls it when a pool that was never shut down is
-collected. It is idempotent and logs nothing.
+nowhere else; the config is the one the worker resolved and carried with the space.
+vLLM builds the pool before anything can reach the workers, so an engine's pool is built
+*detached* and attached once (`attach`) by the EngineCore seam
+(``kvcached.integration.vllm.engine``), before the first step, to a space whose pages
+are mapped on every rank. The worker maps the null block's kv page when it allocates the
+KV tensors (warm-up runs may read block 0 before this pool exists); the arena adopts that
+page and pins the null block on it. `close` closes the arena: every page unmapped on every
+rank, the stats entry gone; ``EngineCore.shutdown`` calls it while the executor still runs,
+and a finalizer calls it when a pool that was never shut down is collected. `abandon`
+closes the books without unmapping, when the ranks are gone. Both are idempotent and log
+nothing.
 
 ``take_events``, ``get_cached_block``, ``cache_full_blocks``, ``cache_partial_block``,
 ``move_block_hashes``, ``emit_cached_block_events`` and ``evict_blocks`` are vLLM's,
@@ -83,7 +87,7 @@ from kvcached.faults import FaultInjector
 from kvcached.fence import StepFence
 from kvcached.ledger import BlockLedger
 from kvcached.pages import PagePool
-from kvcached.space import KvSpace, claim
+from kvcached.space import KvSpace
 
 ADMISSION_SITES = frozenset({"admission", "cow_admission"})
 
@@ -151,9 +155,10 @@ class ElasticBlockPool(BlockPool):
     """vLLM ``BlockPool`` whose blocks live on elastically mapped kv pages.
 
     The first five parameters are the native constructor's, passed to it unchanged.
-    ``kv_space`` is the worker's published space (default: claimed from `kvcached.space`).
+    ``kv_space``: the KV space to map into now (tests, probes); an engine's pool is built
+    without one and attached later (`attach`).
     The physical side is one `ElasticArena` over that space (``arena``), opened with the
-    null block pinned: ``config`` defaults to the config the worker published with the
+    null block pinned: ``config`` defaults to the config the worker carried with the
     space (resolved once, by the worker), ``faults`` to that config's fault plan and
     ``fence`` to a fresh `EngineStepFence`. ``config``, ``fence``, ``faults``,
     ``page_pool`` and ``ledger`` are the arena's parts, as plain attributes.
@@ -186,20 +191,39 @@ class ElasticBlockPool(BlockPool):
             enable_kv_cache_events=enable_kv_cache_events,
             metrics_collector=metrics_collector,
         )
-        space = kv_space if kv_space is not None else kv_space_claim(num_gpu_blocks)
-        if space.geometry.num_blocks != num_gpu_blocks:
+        self._name, self._config, self._faults, self._fence = name, config, faults, fence
+        self._cached: set[int] = set()
+        self._stranded: set[int] = set()
+        self._demand: _Demand | None = None
+        self._admission: _Admission | None = None
+        self._logical_view = False
+        self.arena: ElasticArena | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._closed_detached = False
+        if kv_space is not None:
+            self.attach(kv_space)
+
+    def attach(self, space: KvSpace) -> None:
+        """Give the pool its physical side: one `ElasticArena` over ``space``.
+
+        An engine's pool is built detached (vLLM builds it before anything can reach the
+        workers) and attached once, by ``kvcached.integration.vllm.engine.connect``, before
+        the first step. The null block's page was mapped by the worker before warm-up
+        (``space.premapped``): the arena adopts it, then pins the null block on it.
+        """
+        if self.arena is not None or self.closed:
+            raise InvariantError("the elastic pool is already attached (or closed)")
+        if space.geometry.num_blocks != self.num_gpu_blocks:
             raise IntegrationError(
-                f"KV space holds {space.geometry.num_blocks} blocks but the pool has {num_gpu_blocks}"
+                f"KV space holds {space.geometry.num_blocks} blocks but the pool has {self.num_gpu_blocks}"
             )
-        # The null block's page was mapped by the worker before warm-up (space.premapped):
-        # the arena adopts it, then pins the null block on it.
         arena = ElasticArena.open(
             space,
-            config,
-            name=name,
-            fence=fence if fence is not None else EngineStepFence(),
+            self._config,
+            name=self._name,
+            fence=self._fence if self._fence is not None else EngineStepFence(),
             pinned=(self.null_block.block_id,),
-            faults=faults,
+            faults=self._faults,
         )
         self.arena = arena
         self.config = arena.config
@@ -207,16 +231,15 @@ class ElasticBlockPool(BlockPool):
         self.faults = arena.faults
         self.page_pool = arena.pool
         self.ledger = arena.ledger
-        self._cached: set[int] = set()
-        self._stranded: set[int] = set()
-        self._demand: _Demand | None = None
-        self._admission: _Admission | None = None
-        self._logical_view = False
         # Runs at most once: from `close`, or when a pool that was never closed is collected.
         # It holds the arena, never the pool (a reference to the pool would keep it alive).
         # Not at interpreter exit, where the process returns its memory anyway.
         self._finalizer = weakref.finalize(self, arena.close)
         self._finalizer.atexit = False
+
+    @property
+    def attached(self) -> bool:
+        return self.arena is not None
 
     # ---- admission (driven by the scheduler seam) ------------------------------------
     def note_demand(self, num_blocks: int, new_computed_blocks: Iterable[Sequence[KVCacheBlock]] = ()) -> None:
@@ -557,26 +580,28 @@ class ElasticBlockPool(BlockPool):
                 raise InvariantError(f"{state} block {bid} sits on an unmapped page")
 
     def close(self) -> None:
-        """Engine teardown: close the arena (leave the stats registry, unmap every page,
-        withdraw the published space).
+        """Engine teardown: close the arena (leave the stats registry, unmap every page).
 
         Idempotent and silent. Only for a stopped engine: the worker's KV views stay
         reserved but unmapped, so a step after this would fault.
         """
-        self._finalizer()
+        if self._finalizer is None:
+            self._closed_detached = True
+        else:
+            self._finalizer()
+
+    def abandon(self) -> None:
+        """Close the books without unmapping: the ranks holding the pages are gone (their
+        memory went with their processes). Idempotent."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if self.arena is not None:
+            self.arena.abandon()
+        self._closed_detached = True
 
     @property
     def closed(self) -> bool:
-        """Whether `close` ran (or the finalizer did)."""
+        """Whether `close` (or `abandon`) ran, or the finalizer did."""
+        if self._finalizer is None or self._closed_detached:
+            return self._closed_detached
         return not self._finalizer.alive
-
-
-def kv_space_claim(num_blocks: int) -> KvSpace:
-    """The KV space the worker published for ``num_blocks`` blocks, or IntegrationError."""
-    space = claim(num_blocks)
-    if space is None:
-        raise IntegrationError(
-            "no KV space was published by the kvcached worker seam before the scheduler built "
-            "its block pool (is the worker side installed, and is tensor parallelism 1?)"
-        )
-    return space

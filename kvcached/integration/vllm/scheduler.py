@@ -1,6 +1,6 @@
 """Scheduler-side seams: where kvcached enters vLLM's EngineCore.
 
-Six attributes are replaced (`install`), each restored exactly by `uninstall`. Whether
+Nine attributes are replaced (`install`), each restored exactly by `uninstall`. Whether
 they act is the process-wide switch in `install_state`, shared with the worker seams:
 
 ``vllm.v1.core.kv_cache_coordinator.BlockPool``
@@ -42,10 +42,16 @@ they act is the process-wide switch in `install_state`, shared with the worker s
     empty step queued while idle, and pages freed at the end of a burst must still go back.
 
 ``Scheduler.shutdown`` (teardown)
-    ``EngineCore.shutdown`` stops the executor first and then calls this; after vLLM's own
-    shutdown the elastic pool is closed: every page unmapped, its ``kvcached.stats()``
-    entry gone, the published KV space withdrawn. A pool that is never shut down is
-    closed when it is garbage-collected (`ElasticBlockPool` finalizer).
+    ``EngineCore.shutdown`` closes the elastic pool while the executor still runs (the
+    EngineCore seam, `kvcached.integration.vllm.engine`: every page unmapped on every
+    rank), then stops the executor and calls this. A pool still open here has no rank left
+    to answer, so it is abandoned (its books closed, its ``kvcached.stats()`` entry gone).
+    A pool that is never shut down is closed when it is garbage-collected.
+
+``EngineCore._initialize_kv_caches``, ``Scheduler.__init__``, ``EngineCore.shutdown``
+    The page protocol's scheduler end (`kvcached.integration.vllm.engine`): every rank's
+    KV layout is read through the executor after the workers allocated, the pool is
+    attached to it when the scheduler is built, and closed before the executor stops.
 """
 
 from __future__ import annotations
@@ -239,8 +245,10 @@ def _wrap_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
         result = original(self, *args, **kwargs)
         # EngineCore stopped the executor before calling this: no step can touch a page.
         pool = _scheduler_pool(self)
-        if pool is not None:
-            pool.close()
+        if pool is not None and not pool.closed:
+            # EngineCore.shutdown normally closed it already, with the executor alive
+            # (`engine.disconnect`); a pool still open here has no rank to answer.
+            pool.abandon()
         return result
 
     return shutdown
@@ -259,6 +267,10 @@ def _plan() -> list[tuple[Any, str, Any]]:
         )
     if "hash_block_size" not in _native_pool_signature().parameters:
         raise IntegrationError("vLLM's BlockPool takes no hash_block_size; this vLLM is not supported")
+    from vllm.v1.engine.core import EngineCore
+
+    from kvcached.integration.vllm import engine
+
     coordinator = kv_cache_coordinator.KVCacheCoordinator
     manager = kv_cache_manager.KVCacheManager
     sched = scheduler.Scheduler
@@ -271,6 +283,14 @@ def _plan() -> list[tuple[Any, str, Any]]:
         (sched, "update_from_output",
          _wrap_update_from_output(require_own(sched, "update_from_output"))),
         (sched, "shutdown", _wrap_shutdown(require_own(sched, "shutdown"))),
+        (EngineCore, "_initialize_kv_caches",
+         engine.wrap_initialize_kv_caches(require_own(EngineCore, "_initialize_kv_caches"))),
+        # AsyncScheduler.__init__ calls this one first (super) and then sets only its own
+        # spec-decode fields: the pool is attached inside it, before any step.
+        (sched, "__init__", engine.wrap_scheduler_init(require_own(sched, "__init__", exclusive=False))),
+        # DPEngineCoreProc.shutdown calls this one first (super); kvcached refuses data
+        # parallelism at start-up anyway (engine.check_parallel_layout).
+        (EngineCore, "shutdown", engine.wrap_shutdown(require_own(EngineCore, "shutdown", exclusive=False))),
     ]
 
 

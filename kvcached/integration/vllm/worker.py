@@ -18,8 +18,11 @@ gone and ``vllm.v1.worker.gpu_model_runner.allocate_kv_cache`` replaces both (be
     (block 0), is mapped here: the worker's warm-up (CUDA-graph capture, dummy runs with
     zeroed block tables) reads block 0 *before* the scheduler builds its pool, and an
     unmapped page would fault. The ranges, their geometry and that premapped page are
-    published in `kvcached.space`; the scheduler's pool adopts the page, pins the null
-    block on it, and maps every other page before any step touches its blocks.
+    registered as this rank's end of the page protocol (`RankKv`, a
+    `kvcached.ranks.RankPages`), found by the address of the worker's own KV tensors; the
+    scheduler reaches it through vLLM's executor (`kvcached.integration.vllm.engine`),
+    adopts the page, pins the null block on it, and maps every other page on every rank
+    before any step touches its blocks.
 
 ``GPUModelRunner._reshape_kv_cache_tensors``
     Runs vLLM's own reshape (including its in-place hybrid restride), then attaches
@@ -33,7 +36,7 @@ gone and ``vllm.v1.worker.gpu_model_runner.allocate_kv_cache`` replaces both (be
 ``GPUModelRunner._init_minimal_kv_cache_for_profiling``
     Marks the minimal KV cache vLLM builds to profile CUDA-graph memory. Dummy runs write
     into it before any pool exists, so it must be ordinary memory: while the mark is set
-    the allocation seam delegates to vLLM and publishes nothing. (0.29 builds it
+    the allocation seam delegates to vLLM and registers nothing. (0.29 builds it
     through the same ``initialize_kv_cache`` and ``allocate_kv_cache``.)
 
 ``vllm.v1.worker.gpu_model_runner.allocate_kv_cache`` (0.29)
@@ -50,7 +53,7 @@ gone and ``vllm.v1.worker.gpu_model_runner.allocate_kv_cache`` replaces both (be
     attaches `kvcached.views.BytePageMeta` (block dimension 0, as in every 0.29 view)
     with the same block-row check as ``_reshape_kv_cache_tensors``. A layer slot that
     is not a whole number of kv pages therefore costs nothing: each region starts its
-    own range. Only the null block's kv page is mapped; the space is published as for
+    own range. Only the null block's kv page is mapped; the space is registered as for
     0.28.
 
 ``vllm.v1.worker.gpu_model_runner.copy_kv_cache_blocks_inplace``
@@ -66,8 +69,9 @@ gone and ``vllm.v1.worker.gpu_model_runner.allocate_kv_cache`` replaces both (be
 
 Configuration. One `KvcachedConfig` per engine: the engine's first worker seam that needs
 it, the capacity report below, resolves it; the allocation seam plans the geometry and
-opens the ranges with that same config and publishes it with the KV space, where the
-scheduler's pool takes it (`kvcached.space.KvSpace.config`). Nothing resolves it again, so
+opens the ranges with that same config and registers it with the KV space; every rank
+reports it with its layout and the scheduler's pool takes it from there
+(`kvcached.space.KvSpace.config`). Nothing resolves it again, so
 the page size the worker planned with is the one the pool maps. The allocation takes the
 config (resolving it itself if no report ran), so the next engine built in the same
 process resolves its own.
@@ -140,6 +144,7 @@ from kvcached.integration.vllm import install_state
 from kvcached.integration.vllm.capabilities import Capabilities
 from kvcached.integration.vllm.patching import PatchSet, require_own
 from kvcached.integration.vllm.view_regions import plan_regions, rebase
+from kvcached.ranks import RankPages
 from kvcached.views import BytePageMeta, attach_meta, describe_block_view
 
 __all__ = [
@@ -172,6 +177,18 @@ class _State:
     backing_strides: dict[int, int] = field(default_factory=dict)
     #: the config resolved for the engine being built, until its allocation takes it
     config: KvcachedConfig | None = None
+    #: range address -> the KV space (and its protocol end) of the engine that owns the range
+    rank_kv: dict[int, RankKv] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, eq=False)
+class RankKv:
+    """This rank's share of one engine's KV cache: its ranges, and the page protocol's
+    worker end over them (`kvcached.ranks.RankPages`), which the scheduler drives through
+    vLLM's executor (`kvcached.integration.vllm.engine`)."""
+
+    space: _space.KvSpace
+    pages: RankPages
 
 
 # Lock order: install_state.LOCK (held while installing) before _lock, never the reverse.
@@ -210,7 +227,7 @@ def _resolve_engine_config() -> KvcachedConfig:
 
 
 def _take_engine_config() -> KvcachedConfig:
-    """The engine's config for its allocation, which publishes it with the KV space.
+    """The engine's config for its allocation, which carries it with the KV space.
 
     The one the capacity report resolved; resolved now if no report ran (the seams called
     directly). Taking it leaves none behind, so the next engine resolves its own.
@@ -302,10 +319,10 @@ def _plan_geometry(strides: Sequence[int], num_blocks: int, page_size: int, devi
 
 @dataclass
 class _Backings:
-    """Virtual ranges for the KV backings of one engine, before they are published."""
+    """Virtual ranges for the KV backings of one engine, before they are registered."""
 
     geometry: _space.Geometry
-    config: KvcachedConfig  # the engine's config, planned with; published with the space
+    config: KvcachedConfig  # the engine's config, planned with; carried with the space
     ranges: list[Any]  # kvcached._vmm.VirtualRange, one per backing
     rows: list[torch.Tensor]  # int8 view of each backing's ``num_blocks`` block rows
     strides: dict[int, int]  # range base address -> block stride
@@ -339,19 +356,53 @@ def _open_backings(block_strides: Sequence[int], row_bytes: Sequence[int], num_b
     return backings
 
 
-def _publish(backings: _Backings) -> None:
-    """Map the null block's page and hand the space to the scheduler's pool (closes on failure)."""
+def _current_rank() -> int:
+    """This worker's rank in the engine (0 for a single in-process worker)."""
+    dist = torch.distributed
+    return int(dist.get_rank()) if dist.is_available() and dist.is_initialized() else 0
+
+
+def _register(backings: _Backings) -> RankKv:
+    """Map the null block's page and make the ranges answer the page protocol (closes on failure).
+
+    The scheduler finds them through vLLM's executor (``collective_rpc``), by the address of
+    the worker's own KV tensors (`rank_kv_of`): nothing is handed over in-process.
+    """
     try:
         space = _space.KvSpace(backings.geometry, tuple(backings.ranges), premapped=frozenset({NULL_BLOCK_PAGE}),
                                config=backings.config)
+        local = space.page_space()
         # Warm-up may read block 0 before the scheduler's pool exists; the pool adopts the page.
-        space.page_space().map_page(NULL_BLOCK_PAGE)
+        local.map_pages([NULL_BLOCK_PAGE])
+        kv = RankKv(space, RankPages(_current_rank(), local, backings.geometry, space.premapped))  # type: ignore[arg-type]
     except BaseException:
         backings.close()
         raise
-    _space.publish(space)
     with _lock:
         _state.backing_strides = backings.strides
+        for vrange in backings.ranges:
+            _state.rank_kv[int(vrange.address)] = kv
+    return kv
+
+
+def rank_kv_of(tensor: torch.Tensor) -> RankKv | None:
+    """The registered KV space a KV tensor (or view) of this process lies on, if any."""
+    with _lock:
+        return _state.rank_kv.get(int(tensor.untyped_storage().data_ptr()))
+
+
+def registered_rank_kv() -> list[RankKv]:
+    """Every KV space registered in this process and not yet forgotten (distinct)."""
+    with _lock:
+        return list({id(kv): kv for kv in _state.rank_kv.values()}.values())
+
+
+def forget_rank_kv(kv: RankKv) -> None:
+    """Unmap every page of ``kv`` and drop it from the index (engine teardown); idempotent."""
+    kv.pages.close()
+    with _lock:
+        for address in [a for a, k in _state.rank_kv.items() if k is kv]:
+            del _state.rank_kv[address]
 
 
 def allocate_kv_cache_tensors(runner: Any, kv_cache_config: Any) -> dict[str, torch.Tensor]:
@@ -371,7 +422,7 @@ def allocate_kv_cache_tensors(runner: Any, kv_cache_config: Any) -> dict[str, to
             "KV tensors do not cover the KV cache groups' layers: missing "
             f"{sorted(expected - set(tensors))}, unexpected {sorted(set(tensors) - expected)}"
         )
-    _publish(backings)
+    _register(backings)
     return tensors
 
 
@@ -437,7 +488,7 @@ def allocate_kv_cache_views(
         raise
     for t, meta in pending:  # all or nothing: metadata only once every view checked out
         attach_meta(t, meta)
-    _publish(backings)
+    _register(backings)
     return tensors
 
 
@@ -702,6 +753,6 @@ def _restore() -> None:
 def uninstall() -> None:
     """Restore every replaced attribute exactly (in reverse order); idempotent.
 
-    The published KV space is left alone: the engine's pool may still be using it.
+    Registered KV spaces are left alone: an engine may still be using them.
     """
     install_state.uninstall_part(_PART, _restore)

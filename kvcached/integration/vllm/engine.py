@@ -1,0 +1,217 @@
+"""EngineCore seams: where the scheduler's pool meets the workers' memory, in any layout.
+
+vLLM's EngineCore owns both ends: the executor (its workers hold the KV tensors, one rank
+each) and the scheduler (its pool decides which kv pages are mapped). kvcached joins them
+where vLLM does, with vLLM's own channel, the executor's ``collective_rpc``: in-process for
+the ``UniProcExecutor``, over its message queues for the ``MultiprocExecutor`` (every
+multiprocess engine on CPU, every TP>1 engine), over Ray for the Ray executor (designed for,
+not run: vLLM refuses Ray on CPU). Nothing is handed over through a module, a socket or a
+file, and nothing untrusted is unpickled: requests and replies are plain data.
+
+Three attributes are replaced, each restored exactly by `uninstall` (installed with the
+scheduler seams). ``EngineCore.__init__`` itself cannot be one: it is what loads plugins in
+the EngineCore process, so a patch of it would miss the very engine being built.
+
+``EngineCore._initialize_kv_caches``
+    After vLLM's own (the workers allocated their KV ranges and mapped the null block's
+    page), `prepare` asks every rank for its layout (`RankLayout`: geometry, premapped
+    pages, capacity, the config the worker resolved), checks that every rank agrees and
+    builds the `KvSpace` whose pages are a `kvcached.ranks.RankedPageSpace` mapping each
+    batch on every rank. It travels to the scheduler with the engine's own
+    ``kv_cache_config`` object (attribute ``_kvcached_space``), the one vLLM passes on. A
+    layout kvcached does not serve is refused here, naming it (`check_parallel_layout`).
+
+``Scheduler.__init__``
+    After vLLM's own (which built the `ElasticBlockPool`, detached), `attach` gives the pool
+    the prepared space, before the engine can schedule anything.
+
+``EngineCore.shutdown``
+    Before vLLM's own (which stops the executor first), `disconnect` closes the pool: every
+    page is unmapped on every rank and every rank forgets its space. If the executor has
+    already failed (a worker died), nothing can be unmapped remotely; the pool is closed
+    locally and the ranks' memory went, or goes, with their processes.
+
+The step fence needs nothing more: every request reaches every rank in order behind the
+steps sent before it, so a map requested while scheduling step N is done on every rank
+before step N runs there, and an unmap requested after step N executed reaches each rank
+after that rank has run step N.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from kvcached.config import KvcachedConfig
+from kvcached.errors import IntegrationError, KvcachedError
+from kvcached.ranks import PageRequest, RankedPageSpace, RankLayout, RankReply, check_layouts
+from kvcached.space import KvSpace
+
+# A child of vLLM's logger, so its handlers (and the server's log) carry kvcached's lines.
+_logger = logging.getLogger("vllm.kvcached")
+
+#: Seconds a page request may take on every rank before the engine is considered broken.
+RPC_TIMEOUT_S = 120.0
+
+
+# ---- worker side (run on every rank by collective_rpc; module level, so picklable by name) --
+def _flat(caches: Any) -> list[Any]:
+    if isinstance(caches, (list, tuple)):
+        return [t for c in caches for t in _flat(c)]
+    return [caches] if caches is not None else []
+
+
+def _rank_kv(worker: Any) -> Any:
+    """This rank's registered KV space, found through the worker's own KV tensors."""
+    from kvcached.integration.vllm.worker import rank_kv_of
+
+    runner = worker.model_runner
+    for t in _flat(getattr(runner, "kv_caches", None)):
+        if (kv := rank_kv_of(t)) is not None:
+            if kv.pages.rank != int(worker.rank):
+                raise IntegrationError(f"worker rank {worker.rank} holds the KV space of rank {kv.pages.rank}")
+            return kv
+    raise IntegrationError(f"worker rank {worker.rank} has no kvcached KV space (is kvcached enabled there?)")
+
+
+def rank_layout(worker: Any) -> tuple[RankLayout, dict[str, Any]]:
+    """This rank's layout and the config its worker resolved."""
+    kv = _rank_kv(worker)
+    return kv.pages.layout(), asdict(kv.space.config)
+
+
+def rank_request(worker: Any, request: PageRequest) -> RankReply:
+    """Apply one page request on this rank (a close also forgets the space)."""
+    from kvcached.integration.vllm.worker import forget_rank_kv
+
+    kv = _rank_kv(worker)
+    reply = kv.pages.handle(request)
+    if request.op == "close" and reply.ok:
+        forget_rank_kv(kv)
+    return reply
+
+
+class ExecutorChannel:
+    """`kvcached.ranks.PageChannel` over a vLLM executor's ``collective_rpc``."""
+
+    def __init__(self, executor: Any, timeout_s: float = RPC_TIMEOUT_S) -> None:
+        self.executor = executor
+        self.timeout_s = timeout_s
+
+    def call(self, request: PageRequest) -> list[RankReply]:
+        return list(self.executor.collective_rpc(rank_request, timeout=self.timeout_s, args=(request,)))
+
+
+# ---- EngineCore side ---------------------------------------------------------------------------
+def check_parallel_layout(vllm_config: Any) -> None:
+    """Refuse, naming it, a parallel layout kvcached does not serve (before any page maps)."""
+    par = vllm_config.parallel_config
+    supported = ("supported: one engine core per engine with tensor parallelism of any size, "
+                 "through the uniproc, multiprocess or Ray executor")
+    if int(getattr(par, "pipeline_parallel_size", 1)) > 1:
+        raise IntegrationError(f"kvcached does not serve pipeline parallelism "
+                               f"(pipeline_parallel_size={par.pipeline_parallel_size}); {supported}")
+    if getattr(par, "distributed_executor_backend", None) == "external_launcher":
+        raise IntegrationError("kvcached does not serve distributed_executor_backend='external_launcher' "
+                               f"(every rank runs its own scheduler); {supported}")
+    if int(getattr(par, "data_parallel_size", 1)) > 1:
+        raise IntegrationError(f"kvcached does not serve data parallelism (data_parallel_size="
+                               f"{par.data_parallel_size}): it has not been run; {supported}")
+
+
+def _elastic_pool(scheduler: Any) -> Any:
+    from kvcached.integration.vllm.block_pool import ElasticBlockPool
+
+    manager = getattr(scheduler, "kv_cache_manager", None)
+    pool = getattr(manager, "block_pool", None)
+    return pool if isinstance(pool, ElasticBlockPool) else None
+
+
+SPACE_ATTRIBUTE = "_kvcached_space"
+
+
+def prepare(core: Any, kv_cache_config: Any) -> None:
+    """Ask every rank for its KV layout; leave the engine's space on ``kv_cache_config``."""
+    from kvcached.integration.vllm.install_state import is_enabled
+
+    if not is_enabled() or int(getattr(kv_cache_config, "num_blocks", 0)) <= 0 \
+            or not kv_cache_config.kv_cache_tensors:
+        return
+    check_parallel_layout(core.vllm_config)
+    executor = core.model_executor
+    replies = executor.collective_rpc(rank_layout, timeout=RPC_TIMEOUT_S)
+    geometry, premapped, available = check_layouts([layout for layout, _ in replies])
+    configs = {tuple(sorted(c.items())) for _, c in replies}
+    if len(configs) != 1:
+        raise IntegrationError(f"ranks resolved different kvcached configs: {sorted(configs)}")
+    config = KvcachedConfig(**replies[0][1])
+    pages = RankedPageSpace(geometry, ExecutorChannel(executor), len(replies), config.capacity_ttl_s)
+    pages.note_available([RankReply(i, True, available_bytes=available) for i in range(len(replies))])
+    setattr(kv_cache_config, SPACE_ATTRIBUTE, KvSpace(geometry, premapped=premapped, config=config, pages=pages))
+    _logger.info(
+        "kvcached: elastic KV cache active on %d rank(s) (%s): %d kv pages of %d bytes, %d blocks, "
+        "VMM page %d bytes, reserve %d-%d pages", len(replies), type(executor).__name__, geometry.num_kv_pages,
+        pages.kv_page_bytes, geometry.num_blocks, geometry.page_size, config.min_reserve_pages,
+        config.max_reserve_pages)
+
+
+def attach(scheduler: Any) -> None:
+    """Give the scheduler's elastic pool the space `prepare` left on its ``kv_cache_config``."""
+    pool = _elastic_pool(scheduler)
+    if pool is None:
+        return
+    space = getattr(scheduler.kv_cache_config, SPACE_ATTRIBUTE, None)
+    if space is None:
+        raise IntegrationError("the scheduler built an elastic pool but no rank reported a KV layout "
+                               "(the EngineCore seam did not run: is kvcached installed in this process?)")
+    if space.geometry.num_blocks != pool.num_gpu_blocks:
+        raise IntegrationError(f"ranks reserved {space.geometry.num_blocks} KV blocks but the scheduler has "
+                               f"{pool.num_gpu_blocks}: the two sides disagree on the KV geometry")
+    pool.attach(space)
+
+
+def disconnect(core: Any) -> None:
+    """Close the pool: unmap on every rank while the executor runs; locally if it cannot."""
+    pool = _elastic_pool(getattr(core, "scheduler", None))
+    if pool is None or not pool.attached or pool.closed:
+        return
+    space = pool.arena.space.page_space()
+    try:
+        pool.close()
+        space.channel.call(PageRequest("close"))
+    except (KvcachedError, RuntimeError, TimeoutError) as exc:
+        # The executor failed (a worker died) or stopped: no rank can answer. The pool's
+        # books close here; each rank's memory is returned with its process.
+        _logger.debug("kvcached: ranks unreachable at shutdown (%s); closing the pool locally", exc)
+        pool.abandon()
+
+
+def wrap_initialize_kv_caches(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _initialize_kv_caches(self: Any, *args: Any, **kwargs: Any) -> Any:
+        kv_cache_config = original(self, *args, **kwargs)
+        prepare(self, kv_cache_config)
+        return kv_cache_config
+
+    return _initialize_kv_caches
+
+
+def wrap_scheduler_init(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        attach(self)
+
+    return __init__
+
+
+def wrap_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
+        disconnect(self)
+        return original(self, *args, **kwargs)
+
+    return shutdown

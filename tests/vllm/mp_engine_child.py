@@ -1,0 +1,56 @@
+"""Child script: one real multiprocess vLLM engine (``MultiprocExecutor``), tokens out.
+
+Usage: ``python mp_engine_child.py JOB.json OUT.json``. The job names the archetype, the
+tensor-parallel size, the prompts (token IDs) and the passes. The engine runs with vLLM's
+default ``VLLM_ENABLE_V1_MULTIPROCESSING=1``: the EngineCore and every worker are processes
+of their own, so kvcached's scheduler and its KV memory never share one. The child records
+the tokens of every pass and, when kvcached is on, the pools it can see (none: they live in
+the EngineCore process) and the copy counters of every rank (through ``collective_rpc``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+
+def _copies(worker: object) -> dict[str, int]:
+    import kvcached
+
+    return asdict(kvcached.copy_stats())
+
+
+def main(job_path: str, out_path: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from conformance.cases import ARCHETYPES
+    from conformance.models import ensure_model
+    from conformance.vllm_series import adjusted
+
+    job = json.loads(Path(job_path).read_text())
+    arch = ARCHETYPES[job["archetype"]]
+    kwargs = adjusted(arch.name, {
+        "model": str(ensure_model(arch.model)), "skip_tokenizer_init": True, "enforce_eager": True,
+        "dtype": arch.dtype, "enable_prefix_caching": True, "max_model_len": 1024, "seed": 0,
+        "kv_cache_memory_bytes": job.get("kv_cache_bytes", 64 << 20),
+        "tensor_parallel_size": job["tp"], **dict(arch.engine_kwargs),
+    })
+    llm = LLM(**kwargs)
+    sp = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False)
+    out: dict[str, object] = {"passes": []}
+    for prompts in job["passes"]:
+        res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        out["passes"].append([list(r.outputs[0].token_ids) for r in res])  # type: ignore[union-attr]
+    if job.get("kvcached"):
+        out["copies_per_rank"] = llm.collective_rpc(_copies)
+    client = llm.llm_engine.engine_core
+    out["client"] = type(client).__name__
+    llm.llm_engine.engine_core.shutdown()
+    Path(out_path).write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
