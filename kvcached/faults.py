@@ -13,7 +13,8 @@ A plan file is JSON::
 
 * ``site``: where it fires (``"map"``: each kv page mapped by the page pool;
   ``"admission"``/``"cow_admission"``: the scheduler pool's physical admission check;
-  ``"*"``: any site).
+  ``"rank<N>_map"``: each map request rank N receives from the scheduler, in that rank's
+  worker process (a refusal on one rank only); ``"*"``: any site).
 * ``after_trigger``: the plan stays disarmed until code calls ``trigger(name)`` with
   this name (for example after a real partial-prefix hit).
 * ``skip``: let this many matching checks pass first (so a failure lands in the middle of
@@ -21,13 +22,16 @@ A plan file is JSON::
 
 The file may be rewritten at any time by another process (the conformance harness drives
 the engine process this way); it is re-read when its modification time changes. Fired
-counts are written next to it as ``<plan>.fired.json`` (atomically) after every firing.
+counts are written next to it as ``<plan>.fired.json`` (atomically) after every firing;
+a worker process's injector writes ``<plan>.rank<N>.fired.json`` instead, so processes
+never overwrite each other's counts.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +39,16 @@ from pathlib import Path
 from kvcached.errors import ConfigError, InjectedFault
 
 SITES = frozenset({"map", "admission", "cow_admission", "*"})
+_RANK_SITE = re.compile(r"rank(0|[1-9][0-9]{0,3})_map")
+
+
+def is_site(name: object) -> bool:
+    """Whether ``name`` is a site a plan may name (`SITES`, or ``rank<N>_map``)."""
+    return isinstance(name, str) and (name in SITES or _RANK_SITE.fullmatch(name) is not None)
+
+
+def rank_map_site(rank: int) -> str:
+    return f"rank{rank}_map"
 
 
 @dataclass(slots=True)
@@ -57,8 +71,8 @@ class FaultPlan:
         if unknown:
             raise ConfigError(f"{where}: unknown plan keys {sorted(unknown)}")
         site = raw.get("site")
-        if site not in SITES:
-            raise ConfigError(f"{where}: site={site!r}; accepted sites are {sorted(SITES)}")
+        if not isinstance(site, str) or not is_site(site):
+            raise ConfigError(f"{where}: site={site!r}; accepted sites are {sorted(SITES)} and rank<N>_map")
         fail_next, skip = raw.get("fail_next", 1), raw.get("skip", 0)
         for name, value in (("fail_next", fail_next), ("skip", skip)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -76,21 +90,26 @@ class FaultPlan:
 class FaultInjector:
     """Evaluates fault plans at named sites. Thread-safe."""
 
-    def __init__(self, plans: list[FaultPlan], path: Path | None = None) -> None:
+    def __init__(self, plans: list[FaultPlan], path: Path | None = None, fired_suffix: str = ".fired.json") -> None:
         self._plans = plans
         self._path = path
+        self._fired_suffix = fired_suffix
         self._mtime: float | None = None
         self._lock = threading.Lock()
         self._triggers: set[str] = set()
         self._fired: dict[str, int] = {}
 
     @classmethod
-    def from_env(cls, plan_path: str | None = None) -> FaultInjector | None:
-        """The injector for ``plan_path`` (default ``$KVCACHED_FAULT_PLAN``), or None when off."""
+    def from_env(cls, plan_path: str | None = None, *, rank: int | None = None) -> FaultInjector | None:
+        """The injector for ``plan_path`` (default ``$KVCACHED_FAULT_PLAN``), or None when off.
+
+        ``rank``: the injector of that rank's worker process (its own fired file).
+        """
         path = plan_path if plan_path is not None else os.environ.get("KVCACHED_FAULT_PLAN")
         if not path:
             return None
-        injector = cls([], Path(path))
+        suffix = ".fired.json" if rank is None else f".rank{rank}.fired.json"
+        injector = cls([], Path(path), suffix)
         injector._reload()
         return injector
 
@@ -169,7 +188,7 @@ class FaultInjector:
     def _publish(self) -> None:
         if self._path is None:
             return
-        out = self._path.with_name(self._path.name + ".fired.json")
+        out = self._path.with_name(self._path.name + self._fired_suffix)
         tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"fired": self._fired, "triggers": sorted(self._triggers)}))
         os.replace(tmp, out)

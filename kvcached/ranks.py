@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from kvcached.errors import DriverError, InvariantError, KvcachedError, PhysicalMemoryExhausted
+from kvcached.faults import FaultInjector, rank_map_site
 from kvcached.pages import PageSpace
 from kvcached.space import Geometry
 
@@ -82,11 +83,13 @@ class RankPages:
     Invariant: ``mapped`` is exactly the set of kv pages mapped in every range of ``space``.
     """
 
-    def __init__(self, rank: int, space: PageSpace, geometry: Geometry, premapped: Sequence[int] = ()) -> None:
+    def __init__(self, rank: int, space: PageSpace, geometry: Geometry, premapped: Sequence[int] = (),
+                 faults: FaultInjector | None = None) -> None:
         self.rank = rank
         self.space = space
         self.geometry = geometry
         self.mapped: set[int] = set(premapped)
+        self.faults = faults  # site rank<N>_map: this rank refuses a map request on purpose
         self._lock = threading.Lock()
 
     def layout(self) -> RankLayout:
@@ -113,6 +116,8 @@ class RankPages:
         if request.op == "map":
             if clash := sorted(set(pages) & self.mapped):
                 raise InvariantError(f"rank {self.rank}: kv pages {clash} are already mapped")
+            if self.faults is not None:
+                self.faults.check(rank_map_site(self.rank))  # before anything is mapped
             self.space.map_pages(pages)  # all-or-nothing on this rank
             self.mapped.update(pages)
         elif request.op == "unmap":

@@ -113,3 +113,18 @@ def test_misuse_is_reported_by_the_rank_not_raised_through_the_channel() -> None
     assert rank.mapped == {1}
     rank.close()
     assert not rank.mapped
+
+
+def test_an_injected_refusal_on_one_rank_is_undone_on_the_others() -> None:
+    from kvcached.faults import FaultInjector
+
+    space, ranks, channel = _engine(None, None)
+    ranks[1].faults = FaultInjector.from_plans([{"site": "rank1_map", "skip": 1, "fail_next": 1}])
+    space.map_pages([0])
+    with pytest.raises(PhysicalMemoryExhausted, match="rank 1: InjectedFault"):
+        space.map_pages([1, 2])
+    assert ranks[0].mapped == ranks[1].mapped == {0}
+    assert [(r.op, r.ranks) for r in channel.log[-2:]] == [("map", frozenset()), ("unmap", frozenset({0}))]
+    space.map_pages([1, 2])  # the plan is spent: the next request maps on both
+    assert ranks[0].mapped == ranks[1].mapped == {0, 1, 2}
+    assert ranks[1].faults.fired("rank1_map") == 1

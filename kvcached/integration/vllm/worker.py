@@ -140,6 +140,7 @@ from kvcached import space as _space
 from kvcached.config import KvcachedConfig
 from kvcached.copy import copy_blocks
 from kvcached.errors import ConfigError, CopyValidationError, IntegrationError
+from kvcached.faults import FaultInjector
 from kvcached.integration.vllm import install_state
 from kvcached.integration.vllm.capabilities import Capabilities
 from kvcached.integration.vllm.patching import PatchSet, require_own
@@ -374,7 +375,9 @@ def _register(backings: _Backings) -> RankKv:
         local = space.page_space()
         # Warm-up may read block 0 before the scheduler's pool exists; the pool adopts the page.
         local.map_pages([NULL_BLOCK_PAGE])
-        kv = RankKv(space, RankPages(_current_rank(), local, backings.geometry, space.premapped))  # type: ignore[arg-type]
+        rank = _current_rank()
+        faults = FaultInjector.from_env(backings.config.fault_plan or "", rank=rank)
+        kv = RankKv(space, RankPages(rank, local, backings.geometry, space.premapped, faults))  # type: ignore[arg-type]
     except BaseException:
         backings.close()
         raise
