@@ -54,6 +54,7 @@ def run_side(script: Path, job: dict[str, Any], workdir: Path, env: dict[str, st
     proc = subprocess.run([sys.executable, str(script), str(job_path), str(out_path)], env=child_env,
                           capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
     (workdir / "stderr.txt").write_text(proc.stderr)
+    (workdir / "stdout.txt").write_text(proc.stdout)
     assert proc.returncode == 0, f"child {script.name} failed (rc={proc.returncode}):\n{proc.stderr[-8000:]}"
     result: dict[str, Any] = json.loads(out_path.read_text())
     return result

@@ -16,10 +16,21 @@ from dataclasses import asdict
 from pathlib import Path
 
 
-def _copies(worker: object) -> dict[str, int]:
-    import kvcached
+class RankFacts:
+    """vLLM worker extension (``worker_extension_cls``): kvcached's facts on one rank,
+    reachable by name through ``LLM.collective_rpc`` in every process layout."""
 
-    return asdict(kvcached.copy_stats())
+    def kvcached_rank_facts(self) -> dict[str, object]:
+        import kvcached
+        from kvcached.integration.vllm.worker import registered_rank_kv
+
+        spaces = registered_rank_kv()
+        return {
+            "rank": int(self.rank),  # type: ignore[attr-defined]
+            "spaces": len(spaces),
+            "mapped": sorted(p for kv in spaces for p in kv.pages.mapped),
+            "copies": asdict(kvcached.copy_stats()),
+        }
 
 
 def main(job_path: str, out_path: str) -> None:
@@ -37,6 +48,7 @@ def main(job_path: str, out_path: str) -> None:
         "dtype": arch.dtype, "enable_prefix_caching": True, "max_model_len": 1024, "seed": 0,
         "kv_cache_memory_bytes": job.get("kv_cache_bytes", 64 << 20),
         "tensor_parallel_size": job["tp"], **dict(arch.engine_kwargs),
+        "worker_extension_cls": "mp_engine_child.RankFacts",
     })
     llm = LLM(**kwargs)
     sp = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False)
@@ -45,9 +57,10 @@ def main(job_path: str, out_path: str) -> None:
         res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         out["passes"].append([list(r.outputs[0].token_ids) for r in res])  # type: ignore[union-attr]
     if job.get("kvcached"):
-        out["copies_per_rank"] = llm.collective_rpc(_copies)
-    client = llm.llm_engine.engine_core
-    out["client"] = type(client).__name__
+        out["ranks_after_run"] = llm.collective_rpc("kvcached_rank_facts")
+        llm.reset_prefix_cache()  # idle cached blocks go back: what stays mapped is the reserve
+        out["ranks_after_reset"] = llm.collective_rpc("kvcached_rank_facts")
+    out["client"] = type(llm.llm_engine.engine_core).__name__
     llm.llm_engine.engine_core.shutdown()
     Path(out_path).write_text(json.dumps(out))
 
