@@ -30,7 +30,7 @@ def _job(tp: int) -> dict[str, object]:
     """Shared prefixes, a partial hit, a 1-token prompt, then 8 concurrent long prompts."""
     r = random.Random(0)
     root = [r.randrange(10, 500) for _ in range(80)]
-    fresh = lambda n: [r.randrange(10, 500) for _ in range(n)]  # noqa: E731
+    fresh = lambda n: [r.randrange(10, 500) for _ in range(n)]
     passes = [
         [root[:40], root[:70], fresh(33)],
         [root[:40] + [11, 12, 13], root[:75], root[:17], fresh(50), [15]],
@@ -54,7 +54,7 @@ def tp2_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path
 def test_tp2_engine_runs_both_ranks_in_their_own_processes(tp2_runs: tuple[dict, dict, Path, Path]) -> None:
     native, kvcached, _, work = tp2_runs
     assert native["client"] == kvcached["client"] == "SyncMPClient"  # the EngineCore is another process
-    log = lambda side: "".join((work / side / f).read_text() for f in ("stdout.txt", "stderr.txt"))  # noqa: E731
+    log = lambda side: "".join((work / side / f).read_text() for f in ("stdout.txt", "stderr.txt"))
     assert "kvcached: elastic KV cache active on 2 rank(s) (MultiprocExecutor)" in log("kvcached")
     assert "elastic KV cache active" not in log("native")
     assert [f["rank"] for f in kvcached["ranks_after_run"]] == [0, 1]
