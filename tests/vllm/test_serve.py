@@ -68,3 +68,42 @@ def test_concurrent_requests_stay_within_the_native_noise_floor(served: dict[str
 
 def test_servers_stop_on_sigterm(served: dict[str, dict[str, object]]) -> None:
     assert {side: r["exit"] for side, r in served.items()} == dict.fromkeys(served, 0)
+
+
+def _dead_worker(spec: ServerSpec, model: Path, logs: Path) -> dict[str, object]:
+    """SIGKILL rank 1's worker of a running TP=2 server; what do the client and server see?"""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    from conformance.orchestrate.serve import ServerError
+
+    with serving(spec, model, logs) as server:
+        server.complete([5, 6, 7, 8], 4)
+        family = psutil.Process(server.proc.pid).children(recursive=True)
+        victim = next(p for p in family if p.name().endswith("Worker_TP1"))
+        os.kill(victim.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(ServerError, match="HTTP 500") as err:
+            server.complete([5, 6, 7, 9], 4, timeout_s=120)
+        exit_code = server.proc.wait(120)  # the server stops by itself: nothing hangs
+        took = time.monotonic() - t0
+    survivors = [p.pid for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    return {"error": str(err.value), "exit": exit_code, "survivors": survivors, "seconds": took,
+            "log": (logs / f"{spec.label}.log").read_text(errors="replace")}
+
+
+def test_a_dead_worker_fails_the_server_as_native_does(tmp_path: Path) -> None:
+    """TP=2: rank 1's worker is killed. Like native vLLM, the client gets an error, the server
+    exits on its own, and no process of it survives (so no memory of any rank stays held)."""
+    model = with_tokenizer(ensure_model(ARCHETYPES["llama"].model), tmp_path / "model")
+    kvc = _dead_worker(ServerSpec("kvcached", True, 2, (("KVCACHED_PAGE_SIZE", str(64 << 10)),)), model,
+                       tmp_path / "logs")
+    native = _dead_worker(ServerSpec("native", False, 2), model, tmp_path / "logs")
+    for side in (kvc, native):
+        assert "EngineCore encountered an issue" in str(side["error"])
+        assert side["survivors"] == [] and float(side["seconds"]) < 120  # type: ignore[arg-type]
+    assert kvc["exit"] == native["exit"]
+    assert ACTIVE_LINE in str(kvc["log"]) and "/kvcached/" not in str(kvc["log"])  # no kvcached frame

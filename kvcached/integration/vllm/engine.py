@@ -178,14 +178,21 @@ def disconnect(core: Any) -> None:
     pool = _elastic_pool(getattr(core, "scheduler", None))
     if pool is None or not pool.attached or pool.closed:
         return
+    executor = getattr(core, "model_executor", None)
+    if executor is None or getattr(executor, "is_failed", False):
+        # A worker died: no rank can answer. The pool's books close here; each rank's
+        # memory is returned with its process, which the executor's shutdown ends.
+        pool.abandon()
+        return
     space = pool.arena.space.page_space()
     try:
         pool.close()
         space.channel.call(PageRequest("close"))
-    except (KvcachedError, RuntimeError, TimeoutError) as exc:
-        # The executor failed (a worker died) or stopped: no rank can answer. The pool's
-        # books close here; each rank's memory is returned with its process.
-        _logger.debug("kvcached: ranks unreachable at shutdown (%s); closing the pool locally", exc)
+    except (KvcachedError, RuntimeError, TimeoutError, AssertionError) as exc:
+        # The executor broke while closing (vLLM's own assertion when its queues are gone):
+        # the same as above, found out one call later.
+        _logger.warning("kvcached: ranks unreachable at shutdown (%s: %s); closing the pool locally",
+                        type(exc).__name__, exc)
         pool.abandon()
 
 
