@@ -7,12 +7,19 @@ the noise floor of the concurrent phase. See ``conformance.orchestrate.serve``.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
 import pytest
 
 from conformance.cases import ARCHETYPES
 from conformance.models import ensure_model
 from conformance.orchestrate.serve import (
     ACTIVE_LINE,
+    ServerError,
     ServerSpec,
     all_at_once,
     compare_tokens,
@@ -72,14 +79,6 @@ def test_servers_stop_on_sigterm(served: dict[str, dict[str, object]]) -> None:
 
 def _dead_worker(spec: ServerSpec, model: Path, logs: Path) -> dict[str, object]:
     """SIGKILL rank 1's worker of a running TP=2 server; what do the client and server see?"""
-    import os
-    import signal
-    import time
-
-    import psutil
-
-    from conformance.orchestrate.serve import ServerError
-
     with serving(spec, model, logs) as server:
         server.complete([5, 6, 7, 8], 4)
         family = psutil.Process(server.proc.pid).children(recursive=True)
