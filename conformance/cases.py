@@ -191,6 +191,28 @@ def unavailable_here(archetype: Archetype) -> str | None:
     return None
 
 
+class Layout(Enum):
+    """Where the engine's processes are (a case's engine-layout dimension).
+
+    ``inproc``: EngineCore, scheduler and worker in the harness's engine process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``UniProcExecutor``). ``mp``: vLLM's default, the
+    EngineCore and its worker are processes of their own (``MultiprocExecutor``, TP=1).
+    ``tp2``: the same with tensor parallelism 2, two worker processes each holding a shard.
+    """
+
+    INPROC = "inproc"
+    MP = "mp"
+    TP2 = "tp2"
+
+    @property
+    def multiprocess(self) -> bool:
+        return self is not Layout.INPROC
+
+    @property
+    def tensor_parallel(self) -> int:
+        return 2 if self is Layout.TP2 else 1
+
+
 @dataclass(frozen=True)
 class Case:
     archetype: Archetype
@@ -202,6 +224,7 @@ class Case:
     control: Control = Control.NONE
     max_tokens: int = 16
     top_logprobs: int = 5
+    layout: Layout = Layout.INPROC
     tags: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -226,6 +249,8 @@ class Case:
         ]
         if self.control is not Control.NONE:
             parts.append(self.control.value)
+        if self.layout is not Layout.INPROC:
+            parts.append(self.layout.value)
         return "-".join(parts)
 
     @property
@@ -237,6 +262,8 @@ class Case:
         sched = "synchronous" if self.scheduling is Scheduling.SYNC else "asynchronous"
         pc = "prefix caching" if self.prefix_caching else "no prefix caching"
         text = f"{self.archetype.name}, {self.pattern.value}, {self.lengths.value} lengths, {pc}, {sched}"
+        if self.layout is not Layout.INPROC:
+            text += {Layout.MP: ", multiprocess engine", Layout.TP2: ", tensor parallel 2"}[self.layout]
         if not self.fault.is_none:
             text = f"{self.fault.description} ({text})"
         return text
@@ -253,6 +280,7 @@ class Case:
             "control": self.control.value,
             "max_tokens": self.max_tokens,
             "top_logprobs": self.top_logprobs,
+            "layout": self.layout.value,
         }
 
     @classmethod
@@ -267,6 +295,7 @@ class Case:
             control=Control(data["control"]),
             max_tokens=int(data["max_tokens"]),
             top_logprobs=int(data["top_logprobs"]),
+            layout=Layout(data["layout"]),
         )
 
 
@@ -303,7 +332,25 @@ def default_matrix() -> list[Case]:
                 )
             )
     cases += control_cases(("llama", "nemotron_h"))
-    return cases
+    return cases + layout_cases()
+
+
+def layout_cases() -> list[Case]:
+    """The multiprocess layouts: a dense model and two hybrids (one with CoW copies) at TP=2,
+    its CoW admission fault plan at TP=2, the dense model at multiprocess TP=1, and the
+    baseline and a negative KV control at TP=2 (corruption and comparison on every rank)."""
+    llama, nem, gran = ARCHETYPES["llama"], ARCHETYPES["nemotron_h"], ARCHETYPES["granitemoehybrid"]
+    tp2, mp = Layout.TP2, Layout.MP
+    return [
+        Case(llama, Scheduling.SYNC, layout=mp),
+        Case(llama, Scheduling.SYNC, layout=tp2),
+        Case(llama, Scheduling.ASYNC, layout=tp2),
+        Case(nem, Scheduling.SYNC, pattern=PrefixPattern.PARTIAL_COW, layout=tp2),
+        Case(nem, Scheduling.SYNC, pattern=PrefixPattern.PARTIAL_COW, fault=COW_ADMISSION_X2, layout=tp2),
+        Case(gran, Scheduling.SYNC, layout=tp2),
+        Case(llama, Scheduling.SYNC, control=Control.BASELINE, layout=tp2),
+        Case(llama, Scheduling.SYNC, control=Control.NEG_KV, layout=tp2),
+    ]
 
 
 def quick_matrix() -> list[Case]:
@@ -323,6 +370,7 @@ def quick_matrix() -> list[Case]:
         Case(nem, Scheduling.SYNC, pattern=PrefixPattern.PARTIAL_COW, fault=COW_ADMISSION_X2),
         Case(nem, Scheduling.ASYNC, pattern=PrefixPattern.PARTIAL_COW, fault=COW_ADMISSION_X2),
         Case(nem, Scheduling.SYNC, fault=MAP_MID_ALLOCATION),
+        Case(llama, Scheduling.SYNC, layout=Layout.TP2),
     ]
     return cases + control_cases(("llama",))
 
@@ -345,12 +393,14 @@ def select(
     schedulers: Iterable[str] | None = None,
     faults: Iterable[str] | None = None,
     patterns: Iterable[str] | None = None,
+    layouts: Iterable[str] | None = None,
 ) -> list[Case]:
     """Filter a matrix. Controls survive the fault filter (they are the suite's self-check)."""
     arch_set = set(archetypes) if archetypes else None
     sched_set = set(schedulers) if schedulers else None
     fault_set = set(faults) if faults else None
     pat_set = set(patterns) if patterns else None
+    layout_set = set(layouts) if layouts else None
     out = []
     for c in cases:
         if arch_set is not None and c.archetype.name not in arch_set:
@@ -360,6 +410,8 @@ def select(
         if fault_set is not None and not c.is_control and c.fault.name not in fault_set:
             continue
         if pat_set is not None and c.pattern.value not in pat_set:
+            continue
+        if layout_set is not None and c.layout.value not in layout_set:
             continue
         out.append(c)
     ids = [c.case_id for c in out]

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from conformance.geometry import Geometry
 
 #: Bumped whenever a field changes meaning, appears or disappears.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 Side = Literal["reference", "candidate", "control"]
 EngineKind = Literal["native", "kvcached"]
@@ -147,6 +147,7 @@ class StepRecord(_Strict):
     copies: int
     preempted: int
     mapped_bytes: int
+    rank_round_trips: int
 
 
 class ProbeRecord(_Strict):
@@ -175,6 +176,7 @@ class PoolFacts(_Strict):
     capacity_blocks: int
     kv_page_bytes: int
     vmm_page_bytes: int
+    rank_round_trips: int
     maps: int
     unmaps: int
     map_failures: int

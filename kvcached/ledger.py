@@ -177,6 +177,7 @@ class BlockLedger:
             capacity_blocks=self.num_blocks,
             kv_page_bytes=page_bytes,
             vmm_page_bytes=self.pool.space.vmm_page_bytes,
+            rank_round_trips=self.pool.space.round_trips,
             maps=c.maps,
             unmaps=c.unmaps,
             map_failures=c.map_failures,

@@ -14,7 +14,13 @@ same set of block ids in every layer.
   unmapped (a step still in flight may touch them);
 * a batch map is all-or-nothing: a failure in the middle unmaps what the batch mapped;
 * the physical-capacity query is cached for ``capacity_ttl_s`` and invalidated by this
-  pool's own map/unmap, so only other processes' changes can be stale.
+  pool's own map/unmap, so only other processes' changes can be stale;
+* a space whose maps are round trips to other processes (``DeferredMaps``: the ranks of a
+  multiprocess engine) has its reserve refilled *ahead of demand* without waiting: the
+  refill is sent, its pages are ``pending`` (neither in use nor in the reserve, never
+  handed out, never unmapped), and they join the reserve once every rank confirmed, at the
+  pool's next decision. A refused refill leaves nothing mapped and is counted as a map
+  failure. So a step whose demand the reserve covers waits for no round trip.
 """
 
 from __future__ import annotations
@@ -43,6 +49,21 @@ class Range(Protocol):
     def physical_available(self) -> int: ...
 
 
+class Confirmation(Protocol):
+    """A map request in flight: `result` waits for it, and raises as ``map_pages`` would
+    (nothing of the batch mapped anywhere) when it was refused; `done` says whether its
+    replies are in (so `result` would not wait)."""
+
+    def result(self) -> None: ...
+    def done(self) -> bool: ...
+
+
+class DeferredMaps(Protocol):
+    """A space that can send a map without waiting for it (see `PagePool`)."""
+
+    def map_pages_later(self, kv_pages: Sequence[int]) -> Confirmation: ...
+
+
 class KvPageSpace(Protocol):
     """What a `PagePool` maps into: kv pages of one engine's KV cache.
 
@@ -57,6 +78,8 @@ class KvPageSpace(Protocol):
     def kv_page_bytes(self) -> int: ...
     @property
     def vmm_page_bytes(self) -> int: ...
+    @property
+    def round_trips(self) -> int: ...
     def map_pages(self, kv_pages: Sequence[int]) -> None: ...
     def unmap_pages(self, kv_pages: Sequence[int]) -> None: ...
     def physical_available(self) -> int: ...
@@ -86,6 +109,11 @@ class PageSpace:
     @property
     def vmm_page_bytes(self) -> int:
         return self.ranges[0].page_size
+
+    @property
+    def round_trips(self) -> int:
+        """Blocking requests to other processes: none, the ranges are this process's."""
+        return 0
 
     @property
     def kv_page_bytes(self) -> int:
@@ -157,6 +185,7 @@ class PagePool:
         self._lock = threading.RLock()
         self.in_use: set[int] = set()
         self.reserve: dict[int, int] = {}  # kv page -> fence ticket of its release
+        self.pending: dict[int, Confirmation] = {}  # kv page -> its refill in flight
         self._capacity: tuple[float, int] | None = None  # (time, kv pages) cache
         self._maps = self._unmaps = self._failures = 0
         self._peak = 0
@@ -165,10 +194,12 @@ class PagePool:
     @property
     def mapped(self) -> set[int]:
         with self._lock:
+            self._confirm(wait=False)
             return self.in_use | set(self.reserve)
 
     def is_mapped(self, page: int) -> bool:
         with self._lock:
+            self._confirm(wait=False)
             return page in self.in_use or page in self.reserve
 
     def capacity_pages(self) -> int:
@@ -182,9 +213,13 @@ class PagePool:
             return pages
 
     def counters(self) -> PoolCounters:
+        """Counts; pages of a refill in flight count as mapped (they are, or are being)."""
         with self._lock:
-            return PoolCounters(self._maps, self._unmaps, self._failures,
-                                len(self.in_use) + len(self.reserve), self._peak, len(self.reserve))
+            pending = len(self.pending)
+            return PoolCounters(self._maps + pending, self._unmaps, self._failures,
+                                len(self.in_use) + len(self.reserve) + pending,
+                                max(self._peak, len(self.in_use) + len(self.reserve) + pending),
+                                len(self.reserve) + pending)
 
     # ---- mechanism -----------------------------------------------------------------
     def _map_batch(self, pages: Sequence[int]) -> None:
@@ -223,6 +258,52 @@ class PagePool:
                     raise
                 time.sleep(self.config.retry_backoff_s * (2**attempt))
 
+    def _confirm(self, wait: bool, pages: Iterable[int] | None = None) -> None:
+        """Settle refills in flight: confirmed pages join the reserve (ticket 0).
+
+        ``wait=False`` settles only those whose replies are in (never waits); ``wait=True``
+        settles those holding ``pages`` (default: all), waiting for their replies.
+        """
+        if not self.pending:
+            return
+        wanted = set(self.pending) if pages is None else set(pages)
+        batches: dict[int, tuple[Confirmation, list[int]]] = {}
+        for page, conf in self.pending.items():
+            batches.setdefault(id(conf), (conf, []))[1].append(page)
+        for conf, pages_ in batches.values():
+            if not (conf.done() or (wait and wanted.intersection(pages_))):
+                continue
+            for page in pages_:
+                del self.pending[page]
+            try:
+                conf.result()
+            except PhysicalMemoryExhausted:
+                self._failures += 1
+                self._capacity = None
+                continue
+            self._maps += len(pages_)
+            for page in pages_:
+                self.reserve[page] = 0
+        self._peak = max(self._peak, len(self.in_use) + len(self.reserve))
+
+    def _refill_later(self, pages: list[int]) -> bool:
+        """Send a refill without waiting (deferred spaces only); False if nothing was sent."""
+        later = getattr(self.space, "map_pages_later", None)
+        if later is None or not pages:
+            return False
+        try:
+            if self.faults is not None:
+                for _ in pages:
+                    self.faults.check("map")
+        except PhysicalMemoryExhausted:
+            self._failures += 1
+            return True  # refused on purpose: as if the ranks had refused it
+        confirmation = later(pages)
+        self._capacity = None
+        for page in pages:
+            self.pending[page] = confirmation
+        return True
+
     def _unmap(self, pages: list[int]) -> None:
         if not pages:
             return
@@ -240,6 +321,8 @@ class PagePool:
         """
         with self._lock:
             wanted = sorted(set(pages))
+            # A refill this take needs is waited for; every other one only if its replies are in.
+            self._confirm(wait=True, pages=wanted)
             for page in wanted:
                 if page in self.in_use or not 0 <= page < self.space.num_kv_pages:
                     raise InvariantError(f"kv page {page} is already in use or out of range")
@@ -261,7 +344,8 @@ class PagePool:
         with self._lock:
             wanted = sorted(set(pages))
             for page in wanted:
-                if page in self.in_use or page in self.reserve or not 0 <= page < self.space.num_kv_pages:
+                if page in self.in_use or page in self.reserve or page in self.pending \
+                        or not 0 <= page < self.space.num_kv_pages:
                     raise InvariantError(f"kv page {page} is already known to the pool or out of range")
             for page in wanted:
                 self.reserve[page] = 0
@@ -274,6 +358,9 @@ class PagePool:
         Returns how many were mapped. Running out is expected here, not an error.
         """
         with self._lock:
+            pages = list(pages)
+            # A refill holding a page asked for here is waited for, never mapped twice.
+            self._confirm(wait=True, pages=pages)
             mapped = 0
             for page in pages:
                 if page in self.in_use or page in self.reserve:
@@ -298,6 +385,7 @@ class PagePool:
     def collect(self, keep: int | None = None) -> int:
         """Unmap reserve pages above ``keep`` (default max_reserve_pages) whose ticket passed."""
         with self._lock:
+            self._confirm(wait=False)  # a refill in flight is never unmapped here
             keep = self.config.max_reserve_pages if keep is None else keep
             excess = len(self.reserve) - keep
             if excess <= 0:
@@ -316,14 +404,16 @@ class PagePool:
     def close(self) -> None:
         """Unmap everything (teardown). In-use pages are a caller bug only if the engine is alive."""
         with self._lock:
+            self._confirm(wait=True)
             self.reserve.update({p: 0 for p in self.in_use})
             self.in_use.clear()
             self._unmap(sorted(self.reserve))
 
     def _top_up(self) -> None:
-        need = self.config.min_reserve_pages - len(self.reserve)
+        need = self.config.min_reserve_pages - len(self.reserve) - len(self.pending)
         if need <= 0:
             return
         candidates = [p for p in range(self.space.num_kv_pages)
-                      if p not in self.in_use and p not in self.reserve][:need]
-        self.prefetch(candidates)
+                      if p not in self.in_use and p not in self.reserve and p not in self.pending][:need]
+        if not self._refill_later(candidates):
+            self.prefetch(candidates)

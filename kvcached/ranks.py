@@ -32,7 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from kvcached.errors import DriverError, InvariantError, KvcachedError, PhysicalMemoryExhausted
 from kvcached.faults import FaultInjector, rank_map_site
@@ -139,9 +139,30 @@ class RankPages:
 
 class PageChannel(Protocol):
     """Delivers one request to every rank, in order after everything sent before, and
-    returns every rank's reply (one per rank, any order)."""
+    returns every rank's reply (one per rank, any order). ``call_later`` sends it the same
+    way without waiting; its ``result()`` gives the replies."""
 
     def call(self, request: PageRequest) -> list[RankReply]: ...
+    def call_later(self, request: PageRequest) -> Any: ...
+
+
+@dataclass(eq=False)
+class _LaterMap:
+    """A map sent to every rank without waiting (`RankedPageSpace.map_pages_later`)."""
+
+    space: RankedPageSpace
+    pages: tuple[int, ...]
+    future: Any
+
+    def done(self) -> bool:
+        return bool(self.future.done())
+
+    def result(self) -> None:
+        if not self.future.done():
+            # The reply has not arrived: the scheduler waits for it after all.
+            self.space.calls["map (waited)"] += 1
+        replies = list(self.future.result())
+        self.space.settle_map(self.pages, self.space.check_replies("map", replies))
 
 
 @dataclass
@@ -157,7 +178,8 @@ class RankedPageSpace:
     channel: PageChannel
     ranks: int
     capacity_ttl_s: float = 0.1
-    calls: Counter[str] = field(default_factory=Counter)
+    calls: Counter[str] = field(default_factory=Counter)  # blocking requests, by operation
+    deferred: int = 0  # maps sent ahead of demand without waiting (confirmed later)
     _available: tuple[float, int] = (0.0, 0)
 
     @property
@@ -172,37 +194,54 @@ class RankedPageSpace:
     def vmm_page_bytes(self) -> int:
         return self.geometry.page_size
 
+    @property
+    def round_trips(self) -> int:
+        """Requests sent to the ranks that the scheduler waited for (every operation)."""
+        return sum(self.calls.values())
+
     def note_available(self, replies: Sequence[RankReply]) -> None:
         """Capacity is the smallest rank's (every rank must map every page)."""
         if replies:
             self._available = (time.monotonic(), min(r.available_bytes for r in replies))
 
-    def _call(self, request: PageRequest) -> list[RankReply]:
-        replies = self.channel.call(request)
-        self.calls[request.op] += 1
+    def check_replies(self, op: str, replies: list[RankReply]) -> list[RankReply]:
         if sorted(r.rank for r in replies) != list(range(self.ranks)):
-            raise InvariantError(f"{request.op}: replies from ranks {sorted(r.rank for r in replies)}, "
+            raise InvariantError(f"{op}: replies from ranks {sorted(r.rank for r in replies)}, "
                                  f"expected 0..{self.ranks - 1}")
         self.note_available(replies)
         return replies
 
+    def _call(self, request: PageRequest) -> list[RankReply]:
+        replies = self.channel.call(request)
+        self.calls[request.op] += 1
+        return self.check_replies(request.op, replies)
+
     def map_pages(self, kv_pages: Sequence[int]) -> None:
-        if not kv_pages:
-            return
-        request = PageRequest("map", tuple(kv_pages))
-        replies = self._call(request)
+        if kv_pages:
+            pages = tuple(kv_pages)
+            self.settle_map(pages, self._call(PageRequest("map", pages)))
+
+    def map_pages_later(self, kv_pages: Sequence[int]) -> _LaterMap:
+        """Send a map to every rank now and return at once; ``result()`` settles it as
+        `map_pages` would (the channel's order puts it before every later step)."""
+        pages = tuple(kv_pages)
+        self.deferred += 1
+        return _LaterMap(self, pages, self.channel.call_later(PageRequest("map", pages)))
+
+    def settle_map(self, pages: tuple[int, ...], replies: list[RankReply]) -> None:
+        """Raise, with the batch undone on every rank that mapped it, if any rank refused."""
         refused = [r for r in replies if not r.ok]
         if not refused:
             return
         done = frozenset(r.rank for r in replies if r.ok)
         if done:
-            undo = self._call(PageRequest("unmap", request.pages, done))
+            undo = self._call(PageRequest("unmap", pages, done))
             if stuck := [r for r in undo if not r.ok]:
                 raise InvariantError(f"map refused on {_names(refused)}; undoing it failed on {_names(stuck)}")
         why = "; ".join(f"rank {r.rank}: {r.message}" for r in refused)
         if all(r.refusal == "exhausted" for r in refused):
-            raise PhysicalMemoryExhausted(f"kv pages {list(kv_pages)} not mapped: {why}")
-        raise DriverError(f"kv pages {list(kv_pages)} not mapped: {why}")
+            raise PhysicalMemoryExhausted(f"kv pages {list(pages)} not mapped: {why}")
+        raise DriverError(f"kv pages {list(pages)} not mapped: {why}")
 
     def unmap_pages(self, kv_pages: Sequence[int]) -> None:
         if not kv_pages:

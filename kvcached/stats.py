@@ -16,6 +16,8 @@ class PoolStats:
 
     ``kv_page_bytes`` is one kv page across every backing (the unit pages are mapped in);
     ``vmm_page_bytes`` is the virtual-memory page of each backing (``KVCACHED_PAGE_SIZE``).
+    ``rank_round_trips`` counts the blocking page requests sent to the engine's ranks
+    (``kvcached.ranks``); the reserve keeps it at zero while it covers the demand.
 
     ``map_failures`` counts page-map batches the backend refused; ``admission_misses``
     counts admission checks the pool had to answer with fewer blocks than asked because
@@ -30,6 +32,7 @@ class PoolStats:
     capacity_blocks: int
     kv_page_bytes: int
     vmm_page_bytes: int
+    rank_round_trips: int
     maps: int
     unmaps: int
     map_failures: int

@@ -32,6 +32,11 @@ class InOrderChannel:
         self.log.append(request)
         return [r.handle(request) for r in self.ranks]
 
+    def call_later(self, request: PageRequest) -> object:
+        """Delivered now, in order; the replies wait for ``result()``."""
+        replies = self.call(request)
+        return type("Done", (), {"result": lambda self: replies, "done": lambda self: True})()
+
 
 def _rank(rank: int, budget_bytes: int | None = None) -> RankPages:
     geometry = plan_geometry(STRIDES, NUM_BLOCKS, PAGE)
@@ -128,3 +133,27 @@ def test_an_injected_refusal_on_one_rank_is_undone_on_the_others() -> None:
     space.map_pages([1, 2])  # the plan is spent: the next request maps on both
     assert ranks[0].mapped == ranks[1].mapped == {0, 1, 2}
     assert ranks[1].faults.fired("rank1_map") == 1
+
+
+def test_the_reserve_is_refilled_ahead_of_demand_without_waiting() -> None:
+    """A take from the reserve sends its refill at once and confirms it at the next decision;
+    a step whose demand the reserve covers waits for no round trip."""
+    from kvcached.faults import FaultInjector
+
+    space, ranks, _ = _engine(None, None)
+    pool = PagePool(space, KvcachedConfig(min_reserve_pages=1, max_reserve_pages=4))
+    pool.acquire([0])  # blocking: nothing was mapped yet; then a deferred refill of 1 page
+    assert dict(space.calls) == {"map": 1} and space.deferred == 1
+    assert set(pool.pending) == {1} and all(r.mapped == {0, 1} for r in ranks)
+    assert pool.counters().mapped_pages == 2  # pending pages count as mapped
+    for page in (1, 2, 3):  # each take is covered by the reserve: no blocking request
+        pool.acquire([page])
+    assert dict(space.calls) == {"map": 1} and space.deferred == 4
+    # A refill refused by rank 1 is undone on rank 0 and never handed out.
+    ranks[1].faults = FaultInjector.from_plans([{"site": "rank1_map", "fail_next": 1}])
+    pool.acquire([4])  # page 4 was pending: confirmed, then a refill of page 5 that rank 1 refuses
+    assert set(pool.pending) == {5}
+    assert pool.mapped == {0, 1, 2, 3, 4}  # settling it: refused, undone
+    assert ranks[0].mapped == ranks[1].mapped == {0, 1, 2, 3, 4} and pool.counters().map_failures == 1
+    pool.close()
+    assert all(not r.mapped for r in ranks) and not pool.pending

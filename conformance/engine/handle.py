@@ -7,18 +7,18 @@ one process depends on the layout: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` puts the
 in the front end; the ``UniProcExecutor`` puts the worker in the EngineCore; the
 ``MultiprocExecutor`` (every multiprocess engine on CPU, every TP>1) gives each rank its own.
 
-The handle therefore reads each fact where it lives:
+The handle reads each fact where it lives, through vLLM's own channels
+(``conformance.engine.agent``):
 
-* **Worker facts** go through vLLM's executor, ``LLM.collective_rpc``, which every executor
-  implements (in-process for ``UniProcExecutor``, over its message queues for
-  ``MultiprocExecutor``, and over Ray). They come back once per rank: KV bytes per rank (each
-  rank holds a shard), copy counters summed over ranks.
-* **EngineCore facts** (the scheduler that ran, the prefix-cache keys, kvcached's pools) need
-  the EngineCore object. Today the harness runs in-process engines, where it is
-  ``llm.llm_engine.engine_core.engine_core``; `EngineHandle.core` refuses any other layout
-  with `LayoutNotSupported`, naming it, rather than guessing. A multiprocess layout will
-  reach the same facts through an EngineCore utility call (the channel vLLM's own
-  ``collective_rpc`` utility uses), with the same return types.
+* **Worker facts** go through vLLM's executor, ``LLM.collective_rpc``, by method name on the
+  harness's worker extension. Every executor implements it (in-process for
+  ``UniProcExecutor``, over its message queues for ``MultiprocExecutor``, over Ray). They
+  come back once per rank: KV bytes per rank (each rank holds a shard), copy counters
+  summed over ranks.
+* **EngineCore facts** (the scheduler that ran, the geometry, the schedule per step, the
+  prefix-cache keys, kvcached's pools) come from the EngineCore object: directly when it
+  runs in this process, else through an EngineCore utility call (the channel vLLM's own
+  ``collective_rpc`` utility uses). Both run the same functions and return the same data.
 
 kvcached facts come only from its public API: ``kvcached.stats()``, ``kvcached.copy_stats()``
 and ``kvcached.integration.vllm.status()``. Nothing here imports kvcached unless the engine
@@ -29,14 +29,13 @@ is raised (the case fails) if it is not.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
-from conformance.engine import kvsnap
+from conformance.engine import agent
 from conformance.geometry import Geometry, derive_page_size
-from conformance.results import CopyFacts, EngineMetrics, KvSnapshotMeta, PoolFacts, SchedulerRan
+from conformance.results import CopyFacts, EngineMetrics, KvSnapshotMeta, PoolFacts, ProbeRecord, SchedulerRan
 
 
 class LayoutNotSupported(RuntimeError):
@@ -51,66 +50,53 @@ def kvcached_requested() -> bool:
     return os.environ.get("KVCACHED_ENABLE") == "1"
 
 
-# ---- worker-side functions (sent to every rank by collective_rpc; module level, so picklable)
-def _worker_copy_stats(worker: Any) -> dict[str, int]:
-    import kvcached
-
-    return asdict(kvcached.copy_stats())
-
-
-def _worker_rank(worker: Any) -> int:
-    return int(worker.rank)
-
-
 class EngineHandle:
-    """Facts about one running ``vllm.LLM`` (see the module docstring for where each lives)."""
+    """Facts about one running ``vllm.LLM`` in any process layout (see the module docstring)."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
 
-    # ---- layout --------------------------------------------------------------------------
+    # ---- the two channels --------------------------------------------------------------------
     @property
-    def core(self) -> Any:
-        """The EngineCore object (in-process engines only)."""
+    def in_process(self) -> bool:
+        """Whether the EngineCore runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+        return getattr(self.llm.llm_engine.engine_core, "engine_core", None) is not None
+
+    def core_call(self, name: str, *args: Any) -> Any:
+        """Run `agent.CORE_CALLS[name]` on the EngineCore, wherever it runs."""
         client = self.llm.llm_engine.engine_core
         core = getattr(client, "engine_core", None)
-        if core is None:
-            raise LayoutNotSupported(
-                f"the EngineCore runs in another process ({type(client).__name__}); the harness reads "
-                "scheduler facts from in-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
-            )
-        return core
+        if core is not None:
+            return agent.conformance_call(core, name, *args)
+        if not hasattr(client, "call_utility"):
+            raise LayoutNotSupported(f"no utility channel to the EngineCore through {type(client).__name__}")
+        return client.call_utility("conformance_call", name, *args)
 
+    def rank_call(self, method: str, *args: Any) -> list[Any]:
+        """Call a `agent.WorkerAgent` method on every rank; one result per rank, in rank order."""
+        return list(self.llm.collective_rpc(method, args=args))
+
+    # ---- layout and geometry -------------------------------------------------------------------
     def scheduler_that_ran(self) -> SchedulerRan:
-        core = self.core
-        parallel = self.llm.llm_engine.vllm_config.parallel_config
-        return SchedulerRan(
-            scheduler_type=type(core.scheduler).__name__,
-            batch_queue=core.batch_queue is not None,
-            async_scheduling=bool(self.llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
-            executor=type(core.model_executor).__name__,
-            world_size=int(parallel.world_size),
-        )
+        return SchedulerRan.model_validate(self.core_call("scheduler_that_ran"))
 
     def geometry(self, page_size: int | None) -> Geometry:
         """The engine's KV geometry, read once per engine (page size: configured or derived)."""
-        sched = self.core.scheduler
-        kcc = sched.kv_cache_config
-        groups, num_blocks = kcc.kv_cache_groups, int(kcc.num_blocks)
-        tensor_bytes = sum(int(t.size) for t in kcc.kv_cache_tensors)
-        strides = tuple(int(t.size) // num_blocks for t in kcc.kv_cache_tensors)
+        g = self.core_call("geometry")
+        num_blocks, sizes = int(g["num_blocks"]), [int(x) for x in g["tensor_sizes"]]
+        strides = tuple(size // num_blocks for size in sizes)
         return Geometry(
-            block_size=int(sched.block_size),
-            hash_block_size=int(sched.kv_cache_manager.block_pool.hash_block_size),
-            group_block_sizes=tuple(int(g.kv_cache_spec.block_size) for g in groups),
-            group_kinds=tuple(type(g.kv_cache_spec).__name__ for g in groups),
-            group_layers=tuple(tuple(g.layer_names) for g in groups),
-            block_page_bytes=max(int(g.kv_cache_spec.page_size_bytes) for g in groups),
-            block_bytes_all_layers=tensor_bytes // num_blocks,
+            block_size=int(g["block_size"]),
+            hash_block_size=int(g["hash_block_size"]),
+            group_block_sizes=tuple(g["group_block_sizes"]),
+            group_kinds=tuple(g["group_kinds"]),
+            group_layers=tuple(tuple(x) for x in g["group_layers"]),
+            block_page_bytes=int(g["block_page_bytes"]),
+            block_bytes_all_layers=sum(sizes) // num_blocks,
             block_strides=strides,
             num_blocks=num_blocks,
-            kv_tensor_bytes=tensor_bytes,
-            max_model_len=int(self.llm.llm_engine.vllm_config.model_config.max_model_len),
+            kv_tensor_bytes=sum(sizes),
+            max_model_len=int(g["max_model_len"]),
             page_size_bytes=int(page_size) if page_size else derive_page_size(strides),
             page_size_source="configured" if page_size else "derived",
         )
@@ -130,18 +116,27 @@ class EngineHandle:
             raise RuntimeError(f"engine metrics missing {sorted(missing)}; is disable_log_stats=False?")
         return EngineMetrics(**out)
 
+    # ---- probes -----------------------------------------------------------------------------------
+    def install_probe(self, native_bytes: int | None) -> None:
+        """Record the schedule per step in the EngineCore (see ``probes``)."""
+        self.core_call("install_probe", native_bytes)
+
+    def probe_record(self, stop: bool = False) -> ProbeRecord:
+        return ProbeRecord.model_validate(self.core_call("probe_record", stop))
+
+    def install_emulated_seam(self, plan_path: str) -> None:
+        self.core_call("install_emulated_seam", plan_path)
+
+    def flush_emulated_seam(self) -> None:
+        self.core_call("flush_emulated_seam")
+
     # ---- kvcached (public API only) --------------------------------------------------------
     def kvcached_pools(self) -> dict[str, PoolFacts]:
         """``kvcached.stats()`` of the EngineCore process; raises unless kvcached is active."""
-        self.core  # noqa: B018 - the pools live in the EngineCore: refuse other layouts here
-        try:
-            import kvcached
-            from kvcached.integration.vllm import status
-        except ImportError as e:
-            raise KvcachedInactive(f"KVCACHED_ENABLE=1 but kvcached cannot be imported: {e}") from e
-        if not status().enabled:
-            raise KvcachedInactive(f"KVCACHED_ENABLE=1 but kvcached is not enabled here: {status()}")
-        pools = {name: PoolFacts(**asdict(st)) for name, st in kvcached.stats().items()}
+        facts = self.core_call("kvcached_pools")
+        if not facts["status"]["enabled"]:
+            raise KvcachedInactive(f"KVCACHED_ENABLE=1 but kvcached is not enabled in the EngineCore: {facts['status']}")
+        pools = {name: PoolFacts(**p) for name, p in facts["pools"].items()}
         if not pools:
             raise KvcachedInactive("kvcached.stats() is empty: no kvcached pool was created in this engine")
         return pools
@@ -151,7 +146,7 @@ class EngineHandle:
 
     def kvcached_copies(self) -> CopyFacts:
         """kvcached's copy counters, summed over every rank (module-wide: take deltas)."""
-        per_rank = self.llm.collective_rpc(_worker_copy_stats)
+        per_rank = self.rank_call("conformance_copy_stats")
         return CopyFacts(**{k: sum(int(r[k]) for r in per_rank) for k in per_rank[0]})
 
     def check_page_size(self, configured: int) -> None:
@@ -162,15 +157,15 @@ class EngineHandle:
     # ---- KV bytes ------------------------------------------------------------------------------
     def kv_snapshot(self) -> tuple[KvSnapshotMeta, dict[str, np.ndarray]]:
         """Every cached block's KV on every rank; arrays of rank r > 0 are named ``r<r>:...``."""
-        keys, reads = kvsnap.cached_blocks(self.core.scheduler)
-        ranks = self.llm.collective_rpc(_worker_rank)
-        per_rank = self.llm.collective_rpc(kvsnap.read_blocks, args=(reads,))
+        cached = self.core_call("cached_blocks")
+        per_rank = self.rank_call("conformance_read_blocks", cached["reads"])
         arrays: dict[str, np.ndarray] = {}
-        for rank, part in zip(ranks, per_rank, strict=True):
-            prefix = f"r{rank}:" if rank else ""
-            arrays.update({prefix + name: a for name, a in part["arrays"].items()})
+        for part in per_rank:
+            prefix = f"r{part['rank']}:" if part["rank"] else ""
+            for name, (raw, shape) in part["arrays"].items():
+                arrays[prefix + name] = np.frombuffer(raw, dtype=np.float32).reshape(shape).copy()
         meta = KvSnapshotMeta(
-            keys=keys,
+            keys=cached["keys"],
             token_dims=per_rank[0]["token_dims"],
             whole_block_layers=per_rank[0]["whole_block_layers"],
             num_arrays=len(arrays),
@@ -181,9 +176,9 @@ class EngineHandle:
     def corrupt_prefix_blocks(self, prefix_tokens: int) -> list[int]:
         """Negative control: add 1.0 to the cached attention blocks covering ``prefix_tokens``
         on every rank. Returns the corrupted block IDs."""
-        pairs = kvsnap.prefix_blocks(self.core.scheduler, prefix_tokens)
-        self.llm.collective_rpc(kvsnap.corrupt_blocks, args=(pairs,))
-        return sorted({b for b, _ in pairs})
+        pairs = self.core_call("prefix_blocks", prefix_tokens)
+        self.rank_call("conformance_corrupt_blocks", pairs)
+        return sorted({int(b) for b, _ in pairs})
 
     def shutdown(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()

@@ -33,6 +33,7 @@ class StepSample:
     copies: int
     preempted: int
     mapped_bytes: int
+    rank_round_trips: int  # kvcached's blocking scheduler→rank requests so far (0 native)
 
 
 @dataclass
@@ -40,7 +41,7 @@ class EngineProbe:
     """Per-engine counters, filled while the engine runs."""
 
     block_size: int
-    memory_sampler: Callable[[], int]
+    memory_sampler: Callable[[], tuple[int, int]]  # (mapped bytes, rank round trips)
     steps: list[StepSample] = field(default_factory=list)
     # One entry per step: the schedule as (request order index, scheduled tokens) pairs.
     schedule_fingerprint: list[list[tuple[int, int]]] = field(default_factory=list)
@@ -77,7 +78,7 @@ class EngineProbe:
         )
 
 
-def install_probe(sched: Any, memory_sampler: Callable[[], int]) -> EngineProbe:
+def install_probe(sched: Any, memory_sampler: Callable[[], tuple[int, int]]) -> EngineProbe:
     """Wrap the running engine's scheduler instance methods; return the live counters."""
     probe = EngineProbe(block_size=int(sched.block_size), memory_sampler=memory_sampler)
 
@@ -87,6 +88,8 @@ def install_probe(sched: Any, memory_sampler: Callable[[], int]) -> EngineProbe:
         out = orig_schedule(*args, **kwargs)
         if not probe.recording:
             return out
+        # Sampled right after scheduling: allocation for this step has happened.
+        mapped, round_trips = memory_sampler()
         copies = list(out.kv_cache_block_copies or [])
         probe.copy_pairs.extend((int(c.src_block_id), int(c.dst_block_id)) for c in copies)
         fp = sorted((probe.order_of(rid), int(n)) for rid, n in out.num_scheduled_tokens.items())
@@ -99,8 +102,8 @@ def install_probe(sched: Any, memory_sampler: Callable[[], int]) -> EngineProbe:
                 num_requests=len(out.num_scheduled_tokens),
                 copies=len(copies),
                 preempted=len(out.preempted_req_ids or ()),
-                # Sampled right after scheduling: allocation for this step has happened.
-                mapped_bytes=int(memory_sampler()),
+                mapped_bytes=int(mapped),
+                rank_round_trips=int(round_trips),
             )
         )
         return out

@@ -28,13 +28,12 @@ import math
 import os
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from conformance.cases import Case, Control, Scheduling
-from conformance.engine import overrides
+from conformance.engine import agent, overrides
 from conformance.engine.handle import EngineHandle, kvcached_requested
 from conformance.faultplan import read_fired, read_triggers, write_plan
 from conformance.geometry import Geometry, prompt_lengths
@@ -107,6 +106,9 @@ class CaseRunner:
             "kv_cache_memory_bytes": kv_bytes,
             "disable_log_stats": False,  # engine metrics (preemptions, prefix hits) need stats
             "async_scheduling": case.scheduling is Scheduling.ASYNC,
+            # The harness's agent on every rank (observes only; the same on every side).
+            "worker_extension_cls": agent.WORKER_EXTENSION,
+            "tensor_parallel_size": case.layout.tensor_parallel,
             **dict(case.archetype.engine_kwargs),
         }
         # What this vLLM series' CPU kernels need (nothing on 0.28; see vllm_series): the same
@@ -263,37 +265,27 @@ class CaseRunner:
         copies_start = handle.kvcached_copies() if kvc else None
         workload = self._workload(entry, case, res.plan, geo)
         res.workload = _workload_record(workload)
-        probe = self._instrument(handle, case, knobs, geo)
+        self._instrument(handle, knobs, geo)
         res.requests, res.t_passes, res.corrupted_blocks = self._run_passes(handle, case, workload)
-        res.metrics, res.probe = handle.metrics(), probe.record()
+        # Taken now: the reference's replays below are outside the recorded schedule.
+        res.metrics, res.probe = handle.metrics(), handle.probe_record()
         self._record_memory(handle, res, geo, pools_start, copies_start)
         self._record_faults(knobs, res)
         self._snapshot_kv(handle, case, res, out_json)
         if self.job.side == "reference":
-            # After the snapshot (replays allocate blocks and would change the cache) and
-            # outside the recorded schedule.
-            probe.recording = False
+            # After the snapshot (replays allocate blocks and would change the cache).
             res.replay = self._replay_uncacheable(handle, case, workload, geo)
 
     def geometry_cache_fits(self, plan: Plan, knobs: _Knobs) -> bool:
         return plan.max_model_len == DEFAULT_MAX_MODEL_LEN and knobs.kv_bytes == self.job.kv_cache_bytes
 
-    def _instrument(self, handle: EngineHandle, case: Case, knobs: _Knobs, geo: Geometry) -> Any:
-        from conformance.engine import probes
-
-        sampler: Callable[[], int]
-        if kvcached_requested():
-            sampler = handle.mapped_bytes
-        else:
-            native_bytes = geo.kv_tensor_bytes  # committed at start, constant afterwards
-            sampler = lambda: native_bytes
-        probe = probes.install_probe(handle.core.scheduler, sampler)
+    def _instrument(self, handle: EngineHandle, knobs: _Knobs, geo: Geometry) -> None:
+        # kvcached's mapped bytes per step; native vLLM commits its whole KV tensor at start.
+        handle.install_probe(None if kvcached_requested() else geo.kv_tensor_bytes)
         self._seam = None
         if knobs.fault_seam == "harness-emulated" and knobs.plan_path is not None:
-            from conformance.engine.emulated_faults import install_emulated_seam
-
-            self._seam = install_emulated_seam(handle.core.scheduler, knobs.plan_path)
-        return probe
+            handle.install_emulated_seam(str(knobs.plan_path))
+            self._seam = handle
 
     def _record_memory(
         self, handle: EngineHandle, res: CaseResult, geo: Geometry, pools_start: dict[str, Any], copies_start: Any
@@ -312,7 +304,7 @@ class CaseRunner:
         if knobs.plan_path is None:
             return
         if self._seam is not None:
-            self._seam.flush()
+            self._seam.flush_emulated_seam()
         res.fault = FaultRecord(fired=read_fired(knobs.plan_path), triggers=read_triggers(knobs.plan_path))
 
     def _snapshot_kv(self, handle: EngineHandle, case: Case, res: CaseResult, out_json: Path) -> None:

@@ -30,7 +30,11 @@ Sides and processes:
              --candidate native: native vLLM again (harness self-test; fault plans use a
              harness-emulated seam and the budget is a small kv_cache_memory_bytes)
   control    native vLLM: the native-vs-native noise baseline and the negative controls
-Each side of each archetype is its own process; each case builds a fresh engine.
+Each side of each archetype and layout is its own process; each case builds a fresh engine.
+
+Engine layouts (--layouts): inproc (EngineCore and worker in the engine process), mp (vLLM's
+default multiprocess engine, TP=1), tp2 (multiprocess, tensor parallelism 2). The layout that
+really ran (executor, world size) is read from the engine and reported.
 
 Fault plans (--faults): none, cow-admission-x2, map-mid-alloc, tiny-budget.
 Archetypes (--archetypes): %(archetypes)s.
@@ -57,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedulers", type=_csv, help="comma-separated: sync, async")
     p.add_argument("--faults", type=_csv, help="comma-separated fault plans to keep (controls always run)")
     p.add_argument("--patterns", type=_csv, help="comma-separated prefix patterns: warm3, partial, shared")
+    p.add_argument("--layouts", type=_csv, help="comma-separated engine layouts: inproc, mp, tp2")
     p.add_argument("--no-controls", action="store_true", help="skip the baseline and negative controls (not for CI)")
     p.add_argument(
         "--candidate",
@@ -113,7 +118,7 @@ def select_cases(args: argparse.Namespace) -> list[C.Case]:
         for name, why in skipped.items():
             print(f"conformance: archetype {name} left out: {why}", file=sys.stderr)
         matrix = [c for c in matrix if c.archetype.name not in skipped]
-    return C.select(matrix, args.archetypes, args.schedulers, args.faults, args.patterns)
+    return C.select(matrix, args.archetypes, args.schedulers, args.faults, args.patterns, args.layouts)
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
@@ -128,6 +133,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return f"unknown fault plan(s): {sorted(bad)}"
     if args.patterns and (bad := set(args.patterns) - {p.value for p in C.PrefixPattern}):
         return f"unknown pattern(s): {sorted(bad)}"
+    if args.layouts and (bad := set(args.layouts) - {x.value for x in C.Layout}):
+        return f"unknown layout(s): {sorted(bad)}; known: {[x.value for x in C.Layout]}"
     if args.page_size is not None and (args.page_size <= 0 or args.page_size % 4096):
         return "--page-size must be a positive multiple of 4096"
     return None
@@ -201,12 +208,14 @@ def _run_matrix(cfg: RunConfig, cases: list[C.Case], progress: RunProgress) -> t
     """Every archetype's engine processes, then its comparisons."""
     runner = Runner(cfg, progress.log, lambda side, cid, secs, ok: progress.advance(f"{side} {cid}", ok, secs))
     out = Collected()
-    archetypes = list(dict.fromkeys(c.archetype.name for c in cases))
-    for i, arch in enumerate(archetypes, 1):
-        arch_cases = [c for c in cases if c.archetype.name == arch]
-        progress.log(f"[{i}/{len(archetypes)}] {arch}: {len(arch_cases)} case(s)")
-        runner.run_archetype(arch, arch_cases)
-        _compare_archetype(runner, arch_cases, out, progress)
+    # One group of engine processes per archetype and layout (a process serves one layout).
+    groups = list(dict.fromkeys((c.archetype.name, c.layout) for c in cases))
+    for i, (arch, layout) in enumerate(groups, 1):
+        group = [c for c in cases if (c.archetype.name, c.layout) == (arch, layout)]
+        label = arch if layout is C.Layout.INPROC else f"{arch}-{layout.value}"
+        progress.log(f"[{i}/{len(groups)}] {label}: {len(group)} case(s)")
+        runner.run_archetype(label, group)
+        _compare_archetype(runner, group, out, progress)
     return runner, out
 
 
@@ -233,7 +242,8 @@ def _write(args: argparse.Namespace, cfg: RunConfig, cases: list[C.Case], out: C
         "page_size": args.page_size or "derived per archetype (see geometry in raw results)",
         "kv_cache_bytes": args.kv_cache_bytes,
         "async_override": cfg.async_override,
-        "engine_env": "VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONHASHSEED=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1",
+        "engine_env": "PYTHONHASHSEED=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1; layout inproc: "
+                      "VLLM_ENABLE_V1_MULTIPROCESSING=0; mp and tp2: =1, VLLM_CPU_OMP_THREADS_BIND=nobind",
     }
     env = report.environment(report.python_command(), settings, plugin_status)
     name = "KVCached" if args.candidate == "kvcached" else "Native candidate (harness self-test)"

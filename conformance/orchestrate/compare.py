@@ -363,6 +363,7 @@ def fact_checks(pair: Pair, row: ParityRow) -> Findings:
             f"{row.cow_copies_other}"
         )
     found.extend(_scheduler_checks(case, pair))
+    found.extend(_layout_checks(case, pair))
     if case.pattern.value == "partial" and row.cow_copies_reference == 0:
         found.problems.append("partial-prefix pattern made no copy-on-write copy")
     return found
@@ -457,6 +458,23 @@ def _sched_name(s: SchedulerRan | None) -> str:
     return s.name if s is not None else "?"
 
 
+def _layout_ran(s: SchedulerRan | None) -> str:
+    return f"{s.executor} x{s.world_size}" if s is not None else "?"
+
+
+def _layout_checks(case: Case, pair: Pair) -> Findings:
+    """The engine must really have run the layout the case asks for, on both sides."""
+    found = Findings()
+    want_mp, want_ranks = case.layout.multiprocess, case.layout.tensor_parallel
+    for side, res in (("reference", pair.ref), ("other", pair.other)):
+        s = res.scheduler
+        if s is None:
+            continue
+        if (s.executor != "UniProcExecutor") != want_mp or s.world_size != want_ranks:
+            found.problems.append(f"{side}: asked layout {case.layout.value}, ran {_layout_ran(s)}")
+    return found
+
+
 def comparison_label(case: Case, other_engine: str) -> str:
     if case.control is Control.NONE:
         return f"{other_engine} vs native"
@@ -477,6 +495,7 @@ def _new_row(pair: Pair) -> ParityRow:
         scheduler_other=_sched_name(other.scheduler),
         async_scheduling_reference=ref.scheduler.async_scheduling if ref.scheduler else None,
         async_scheduling_other=other.scheduler.async_scheduling if other.scheduler else None,
+        layout=case.layout.value, layout_reference=_layout_ran(ref.scheduler), layout_other=_layout_ran(other.scheduler),
         first_divergence="", kv_max_abs_diff=0.0, logprobs_equal=False, logprob_max_abs_diff=0.0,
         injected_failures_fired="", injected_failures_expected=case.fault.expected_fired,
         peak_mapped_bytes_reference=ref.mapped_bytes_peak, peak_mapped_bytes_other=other.mapped_bytes_peak,

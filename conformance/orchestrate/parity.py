@@ -67,6 +67,9 @@ class ParityRow:
     scheduler_other: str
     async_scheduling_reference: bool | None
     async_scheduling_other: bool | None
+    layout: str  # the layout the case asked for (inproc, mp, tp2)
+    layout_reference: str  # the executor and world size that really ran, e.g. MultiprocExecutor x2
+    layout_other: str
     requests: int
     complete_reference: int
     complete_other: int

@@ -31,8 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conformance.cases import Case, Control
+from conformance.cases import Case, Control, Layout
 from conformance.engine_env import ENGINE_ENV as BASE_ENGINE_ENV
+
+AGENT_ENV = "CONFORMANCE_AGENT"  # conformance.engine.agent.ENV (the parent imports no engine code)
 from conformance.results import CaseResult, Job, JobEntry, load_result, write_atomic
 
 ENGINE_ENV = {
@@ -74,10 +76,19 @@ def base_case(c: Case) -> Case:
     return replace(c, control=Control.NONE)
 
 
-def child_env(engine: str) -> dict[str, str]:
-    """Engine environment; kvcached knobs other than the switch are set per case by the child."""
+def child_env(engine: str, layout: Layout = Layout.INPROC) -> dict[str, str]:
+    """Engine environment; kvcached knobs other than the switch are set per case by the child.
+
+    The layout is a process's, not a case's: vLLM caches its environment once an engine
+    core has started in a process, so each layout gets engine processes of its own.
+    """
     env = {k: v for k, v in os.environ.items() if k not in KVCACHED_KNOBS}
     env.update(ENGINE_ENV)
+    if layout.multiprocess:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        # vLLM binds each CPU worker to a NUMA node of its own unless told not to.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    env[AGENT_ENV] = "1"  # the harness's agent in every process of the engine (observes only)
     if engine == "kvcached":
         env["KVCACHED_ENABLE"] = "1"
     return env
@@ -213,12 +224,17 @@ class Runner:
         return on_line
 
     def _run(self, side: str, engine: str, label: str, cases: list[Case], entries: list[JobEntry]) -> None:
+        layout = cases[0].layout
+        if any(c.layout is not layout for c in cases):
+            raise ValueError(f"{label}: one engine process serves one layout")
         (self.raw / side).mkdir(parents=True, exist_ok=True)
         slow = 3 if any(c.archetype.slow for c in cases) else 1
+        # A multiprocess engine starts its own processes for every case (about 45 s at TP=2 here).
+        slow += 1 if layout.multiprocess else 0
         timeout = self.cfg.startup_timeout_s + self.cfg.case_timeout_s * len(cases) * slow
         self.say(f"  -> {label}: {len(cases)} case(s), {engine} engine")
         job = self._job(side, engine, entries)
-        out = run_child(label, job, child_env(engine), self.raw / "jobs", timeout, self._on_line(side))
+        out = run_child(label, job, child_env(engine, layout), self.raw / "jobs", timeout, self._on_line(side))
         self.children.append(out)
         why = f"child timed out after {timeout:.0f} s" if out.timed_out else f"child exited with {out.returncode}"
         for c in cases:

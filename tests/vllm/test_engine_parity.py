@@ -160,11 +160,18 @@ def _only_pool_stats() -> dict[str, int]:
     return stats
 
 
-def _views_on_kvcached_ranges(llm: Any, pool: Any) -> bool:
-    """Every KV view the model runner bound starts inside one of the pool's virtual ranges."""
+def _worker_ranges() -> list[Any]:
+    """The virtual ranges the worker seam registered in this (in-process) engine."""
+    from kvcached.integration.vllm.worker import registered_rank_kv
+
+    return [r for kv in registered_rank_kv() for r in kv.space.ranges]
+
+
+def _views_on_kvcached_ranges(llm: Any, ranges: list[Any]) -> bool:
+    """Every KV view the model runner bound starts inside one of the worker's virtual ranges."""
     runner = engine_core(llm).model_executor.driver_worker.worker.model_runner
     views = [t for entry in runner.kv_caches for t in (entry if isinstance(entry, (list, tuple)) else [entry])]
-    spans = [(r.address, r.address + r.size) for r in pool.page_pool.space.ranges]
+    spans = [(r.address, r.address + r.size) for r in ranges]
     return bool(views) and all(
         any(lo <= t.untyped_storage().data_ptr() < hi for lo, hi in spans) for t in views
     )
@@ -180,6 +187,7 @@ def run_case(case: Case, with_kvcached: bool) -> dict[str, Any]:
         copies_before = copy_stats().block_copies
     llm = build_llm(engine_kwargs(case.model, **case.engine), want_async=case.want_async)
     pool = kvcached_pool(llm) if with_kvcached else None
+    ranges = _worker_ranges() if with_kvcached else []
     try:
         res["ran"] = scheduler_that_ran(llm)
         copies = count_block_copies(llm)
@@ -197,15 +205,16 @@ def run_case(case: Case, with_kvcached: bool) -> dict[str, Any]:
         if pool is not None:
             res["stats_idle"] = _only_pool_stats()
             res["kv_page_bytes"] = pool.page_pool.space.kv_page_bytes
-            res["views_on_kvcached_ranges"] = _views_on_kvcached_ranges(llm, pool)
+            res["views_on_kvcached_ranges"] = _views_on_kvcached_ranges(llm, ranges)
             res["copies_performed"] = copy_stats().block_copies - copies_before
     finally:
         shutdown(llm)
     if pool is not None:
         res["closed"] = pool.closed
         res["stats_after_shutdown"] = pool_stats()
-        res["mapped_after_shutdown"] = [r.num_mapped for r in pool.page_pool.space.ranges]
-    del llm, pool
+        res["mapped_after_shutdown"] = [r.num_mapped for r in ranges]
+        res["spaces_after_shutdown"] = len(_worker_ranges())  # the worker forgot its space
+    del llm, pool, ranges
     collect_garbage()
     return res
 
@@ -298,7 +307,8 @@ def test_teardown_unmaps_and_unregisters(runs: dict[str, Any], case_id: str) -> 
     assert elastic["pools_at_start"] == 1, "an earlier engine's pool was still registered"
     assert elastic["closed"] is True
     assert elastic["stats_after_shutdown"] == {}
-    assert not any(elastic["mapped_after_shutdown"])
+    assert elastic["mapped_after_shutdown"] and not any(elastic["mapped_after_shutdown"])
+    assert elastic["spaces_after_shutdown"] == 0
 
 
 def test_null_block_readable_before_the_pool_exists(runs: dict[str, Any]) -> None:

@@ -56,6 +56,7 @@ def _display_record(r: ParityRow) -> dict[str, str]:
         "Case": r.case_id,
         "Comparison": r.comparison,
         "Scheduler ran (ref / other)": f"{r.scheduler_reference} / {r.scheduler_other}",
+        "Layout ran (ref / other)": f"{r.layout_reference} / {r.layout_other}",
         "Complete (ref / other)": f"{r.complete_reference}/{r.requests} / {r.complete_other}/{r.requests}",
         "Output tokens (other)": f"{r.output_tokens_other}/{r.expected_output_tokens}",
         "Exact matches": f"{r.exact_matches}/{r.requests}" + unstable,

@@ -104,6 +104,10 @@ class ExecutorChannel:
     def call(self, request: PageRequest) -> list[RankReply]:
         return list(self.executor.collective_rpc(rank_request, timeout=self.timeout_s, args=(request,)))
 
+    def call_later(self, request: PageRequest) -> Any:
+        """Send without waiting: vLLM's own non-blocking ``collective_rpc`` (a future)."""
+        return self.executor.collective_rpc(rank_request, timeout=self.timeout_s, args=(request,), non_block=True)
+
 
 # ---- EngineCore side ---------------------------------------------------------------------------
 def check_parallel_layout(vllm_config: Any) -> None:

