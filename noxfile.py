@@ -121,8 +121,10 @@ def sanitize(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
+    """CPU map/unmap cost against the raw mmap floor; blocking rank round trips per 100 steps."""
     python = _shared_env(session)
     _run(session, python, "benchmarks/bench_cpu_map.py", *session.posargs)
+    _run(session, python, "benchmarks/bench_rank_rpcs.py")
 
 
 @nox.session(venv_backend="none")
