@@ -89,12 +89,16 @@ def measure(cases: dict[str, Callable[[], float]], repeat: int) -> tuple[dict[st
     Cases run interleaved inside each repetition, so drift from other load on the machine hits
     all of them alike; one warm-up round (first faults, allocator and import effects) is dropped.
     """
+    from conformance.orchestrate.progress import RunProgress
+
     for fn in cases.values():
         fn()
     samples: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(repeat):
-        for name, fn in cases.items():
-            samples[name].append(fn() * 1e6)
+    with RunProgress(repeat * len(cases), "bench cpu map") as progress:
+        for r in range(repeat):
+            for name, fn in cases.items():
+                samples[name].append(fn() * 1e6)
+                progress.advance(f"round {r + 1}: {name}")
     ours, floor = (samples[name] for name in list(cases)[:2])
     ratio = statistics.median(a / b for a, b in zip(ours, floor))
     return {name: statistics.median(v) for name, v in samples.items()}, ratio
