@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from conformance.geometry import Geometry
 
 #: Bumped whenever a field changes meaning, appears or disappears.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 Side = Literal["reference", "candidate", "control"]
 EngineKind = Literal["native", "kvcached"]
@@ -184,7 +184,7 @@ class PoolFacts(_Strict):
 
 
 class CopyFacts(_Strict):
-    """kvcached's block-copy counters (``kvcached.copy_stats()``), summed over every rank."""
+    """kvcached's block-copy counters (``kvcached.copy_stats()``) on one rank."""
 
     batches: int
     block_copies: int
@@ -192,11 +192,12 @@ class CopyFacts(_Strict):
 
 
 class KvcachedFacts(_Strict):
-    """kvcached's public facts over one case (pools at start and end, copies during it)."""
+    """kvcached's public facts over one case (pools at start and end; copies during it, per
+    rank: every rank copies the same block pairs, each in its own shard)."""
 
     pools_start: dict[str, PoolFacts]
     pools_end: dict[str, PoolFacts]
-    copies: CopyFacts
+    copies: list[CopyFacts]
 
     @property
     def admission_misses(self) -> int:

@@ -213,3 +213,20 @@ def test_replay_oracle_explains_only_native_history_dependent_requests(tmp_path:
     ref.replay = {"p1-00": [[1, 2, 3, 4], [1, 2, 3, 4]]}
     row, _ = compare_results(NOPC, ref, oth, empty, empty, True)
     assert not row.passed and row.verdict == "MISMATCH"
+
+
+def test_every_rank_must_copy_what_the_scheduler_asked(tmp_path: Path) -> None:
+    from conformance.results import CopyFacts, KvcachedFacts
+
+    empty = _kv_files(tmp_path, "empty", {})
+    ref, oth = _result([[1, 2, 3, 4]]), _result([[1, 2, 3, 4]], engine="kvcached")
+    for res in (ref, oth):
+        assert res.probe is not None
+        res.probe.copies_total = 3
+    copies = lambda *n: [CopyFacts(batches=1, block_copies=k, runs_copied=k) for k in n]
+    oth.kvcached = KvcachedFacts(pools_start={}, pools_end={}, copies=copies(3, 3))  # two ranks, same pairs
+    row, _ = compare_results(NOPC, ref, oth, empty, empty, True)
+    assert row.passed, row.problems
+    oth.kvcached = KvcachedFacts(pools_start={}, pools_end={}, copies=copies(3, 2))  # rank 1 missed one
+    row, _ = compare_results(NOPC, ref, oth, empty, empty, True)
+    assert not row.passed and "[3, 2] block pair(s) per rank" in " ".join(row.problems)

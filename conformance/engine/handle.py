@@ -144,10 +144,9 @@ class EngineHandle:
     def mapped_bytes(self) -> int:
         return sum(p.mapped_bytes for p in self.kvcached_pools().values())
 
-    def kvcached_copies(self) -> CopyFacts:
-        """kvcached's copy counters, summed over every rank (module-wide: take deltas)."""
-        per_rank = self.rank_call("conformance_copy_stats")
-        return CopyFacts(**{k: sum(int(r[k]) for r in per_rank) for k in per_rank[0]})
+    def kvcached_copies(self) -> list[CopyFacts]:
+        """kvcached's copy counters of every rank, in rank order (module-wide: take deltas)."""
+        return [CopyFacts(**r) for r in self.rank_call("conformance_copy_stats")]
 
     def check_page_size(self, configured: int) -> None:
         """The page size kvcached runs with must be the one the harness configured."""

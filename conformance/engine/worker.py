@@ -40,6 +40,7 @@ from conformance.geometry import Geometry, prompt_lengths
 from conformance.results import (
     Budget,
     CaseResult,
+    CopyFacts,
     FaultRecord,
     Job,
     JobEntry,
@@ -295,8 +296,11 @@ class CaseRunner:
             return
         pools_end = handle.kvcached_pools()
         copies_end = handle.kvcached_copies()
-        delta = {k: getattr(copies_end, k) - getattr(copies_start, k) for k in type(copies_end).model_fields}
-        res.kvcached = KvcachedFacts(pools_start=pools_start, pools_end=pools_end, copies=type(copies_end)(**delta))
+        deltas = [
+            CopyFacts(**{k: getattr(end, k) - getattr(start, k) for k in CopyFacts.model_fields})
+            for start, end in zip(copies_start, copies_end, strict=True)
+        ]
+        res.kvcached = KvcachedFacts(pools_start=pools_start, pools_end=pools_end, copies=deltas)
         res.mapped_bytes_peak = sum(p.peak_mapped_bytes for p in pools_end.values())
         res.mapped_bytes_final = sum(p.mapped_bytes for p in pools_end.values())
 

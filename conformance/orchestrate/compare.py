@@ -357,11 +357,13 @@ def fact_checks(pair: Pair, row: ParityRow) -> Findings:
     if case.fault.physical_budget and case.control is Control.NONE:
         row.injected_failures_fired, f = _budget_checks(other, row.preemptions_other, row.peak_mapped_bytes_other)
         found.extend(f)
-    if other.kvcached is not None and other.kvcached.copies.block_copies != row.cow_copies_other:
-        found.problems.append(
-            f"kvcached copied {other.kvcached.copies.block_copies} block pair(s) but the scheduler asked for "
-            f"{row.cow_copies_other}"
-        )
+    if other.kvcached is not None:
+        per_rank = [c.block_copies for c in other.kvcached.copies]
+        if not per_rank or any(n != row.cow_copies_other for n in per_rank):
+            found.problems.append(
+                f"kvcached copied {per_rank} block pair(s) per rank but the scheduler asked for "
+                f"{row.cow_copies_other} on every rank"
+            )
     found.extend(_scheduler_checks(case, pair))
     found.extend(_layout_checks(case, pair))
     if case.pattern.value == "partial" and row.cow_copies_reference == 0:
