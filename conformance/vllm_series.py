@@ -40,7 +40,9 @@ series  attention blocks    causal conv, float32  Mamba with prefix        where
 Every adjustment raises a setting to the nearest one the kernels accept; on 0.28 (CI) the
 table changes nothing, so the 0.28 suite runs exactly the settings it names. The running
 series is read from ``vllm.__version__`` (imported lazily: the harness parent and
-``conformance.cases`` stay vLLM-free) and parsed by kvcached's `parse_series`.
+``conformance.cases`` stay vLLM-free) and parsed here with ``packaging`` (`series_of`), by
+the same policy as kvcached's capability table (a test checks they agree): the harness
+reads no adapter internals.
 """
 
 from __future__ import annotations
@@ -50,7 +52,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvcached.integration.vllm.capabilities import Series, parse_series
+from packaging.version import InvalidVersion, Version
+
+Series = tuple[int, int]
+
+
+class UnknownVllmVersion(ValueError):
+    """A vLLM version string the harness will not map to a series."""
+
+
+def series_of(version: str) -> Series:
+    """``(major, minor)`` of a released vLLM version; local labels (``+cpu``), patch and
+    post releases belong to their series; pre-releases, dev builds, epochs and non-PEP 440
+    strings raise `UnknownVllmVersion`."""
+    try:
+        parsed = Version(str(version).strip())
+    except InvalidVersion:
+        raise UnknownVllmVersion(f"cannot parse vLLM version {version!r}") from None
+    if parsed.epoch or parsed.is_prerelease or parsed.is_devrelease:
+        raise UnknownVllmVersion(f"vLLM {version!r} is a pre-release, dev build or has an epoch")
+    release = parsed.release
+    return (release[0], release[1] if len(release) > 1 else 0)
 
 
 @dataclass(frozen=True)
@@ -86,7 +108,7 @@ MAMBA_STATE_MODELS = CAUSAL_CONV_MODELS | GDN_MODELS
 
 def limits_for(version: str) -> CpuKernelLimits:
     """The CPU kernel limits of vLLM ``version`` (series below the first row: refused)."""
-    series = parse_series(version)
+    series = series_of(version)
     rows = [row for row in _ROWS if row[0] <= series]
     if not rows:
         raise ValueError(f"vLLM {version}: no CPU kernel row (the table starts at {_ROWS[0][0]})")

@@ -37,8 +37,18 @@ def test_versions_parse_like_kvcached_capabilities() -> None:
     assert vs.limits_for("0.28.0+cpu") == V028
     assert vs.limits_for("0.27.0").series == (0, 27)
     assert vs.limits_for("0.30.0").attention_block_multiple == 32  # later series: the last row
-    with pytest.raises(IntegrationError):
+    with pytest.raises(vs.UnknownVllmVersion):
         vs.limits_for("0.29.0rc1")
+    # The harness parses by the policy of kvcached's capability table, without importing it.
+    from kvcached.integration.vllm.capabilities import parse_series
+
+    for v in ("0.28.0+cpu", "0.27.1", "0.28.0.post1", "0.30.0", "1.2"):
+        assert vs.series_of(v) == parse_series(v)
+    for bad in ("0.29.0rc1", "0.28.1.dev12+g1234", "1!0.28.0", "latest"):
+        with pytest.raises(vs.UnknownVllmVersion):
+            vs.series_of(bad)
+        with pytest.raises(IntegrationError):
+            parse_series(bad)
     with pytest.raises(ValueError, match="no CPU kernel row"):
         vs.limits_for("0.25.0")
 
