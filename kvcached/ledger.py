@@ -16,7 +16,7 @@ caller's.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 
 from kvcached.errors import ConfigError, InvariantError
 from kvcached.pages import PagePool
@@ -50,6 +50,8 @@ class BlockLedger:
         ]
         self.num_held = 0
         self._admission_misses = 0
+        self._generation = 0  # bumped by every hold/release: the free sets changed
+        self._backed_cache: tuple[int, int, int] = (-1, -1, 0)  # (pool generation, generation, count)
         pinned = sorted(set(pinned))
         if pinned:
             self.hold(pinned, wait=True)
@@ -69,22 +71,41 @@ class BlockLedger:
         return self.pool.is_mapped(self.page_of(block_id))
 
     def backed_free_count(self) -> int:
-        """Free blocks that sit on mapped pages (usable without a driver call)."""
+        """Free blocks that sit on mapped pages (usable without a driver call).
+
+        Cached until the pool's mapped set or this ledger's free sets change: admission
+        asks several times per request, and the answer only moves with those.
+        """
+        self.pool.settle()  # refills whose replies are in join first (may bump the generation)
+        pool_generation, generation, count = self._backed_cache
+        if (pool_generation, generation) == (self.pool.mapped_generation, self._generation):
+            return count
+        count = sum(len(self._free_per_page[p]) for p in self.pool.mapped if p < self.num_pages)
+        self._backed_cache = (self.pool.mapped_generation, self._generation, count)
+        return count
+
+    def _pages_best_first(self) -> Iterator[int]:
+        """Pages with free blocks, best first: mapped before unmapped, fullest first.
+
+        Lazy: an unmapped page holds no block (holding maps it), so unmapped pages are
+        equal but for their index and come in ascending order without a sort.
+        """
         mapped = self.pool.mapped
-        return sum(len(self._free_per_page[p]) for p in mapped if p < self.num_pages)
+        free = self._free_per_page
+        yield from sorted((p for p in mapped if p < self.num_pages and free[p]),
+                          key=lambda p: (-self._held_per_page[p], p))
+        yield from (p for p in range(self.num_pages) if free[p] and p not in mapped)
 
     def page_order(self) -> list[int]:
         """Pages with free blocks, best first: mapped before unmapped, fullest first."""
-        mapped = self.pool.mapped
-        pages = [p for p in range(self.num_pages) if self._free_per_page[p]]
-        return sorted(pages, key=lambda p: (p not in mapped, -self._held_per_page[p], p))
+        return list(self._pages_best_first())
 
     def choose(self, n: int, among: Collection[int] | None = None) -> list[int]:
         """The ``n`` best free blocks (restricted to ``among`` if given); no state change."""
         if n < 0:
             raise InvariantError(f"choose({n})")
         chosen: list[int] = []
-        for page in self.page_order():
+        for page in self._pages_best_first():
             free = self._free_per_page[page]
             candidates = sorted(free if among is None else free.intersection(among))
             chosen.extend(candidates[: n - len(chosen)])
@@ -117,6 +138,7 @@ class BlockLedger:
             self._held_per_page[page] += 1
             self._free_per_page[page].discard(b)
         self.num_held += len(ids)
+        self._generation += 1
 
     def release(self, block_ids: Iterable[int]) -> list[int]:
         """Mark held blocks free; pages left with no held block go back to the pool.
@@ -139,6 +161,7 @@ class BlockLedger:
             if self._held_per_page[page] == 0:
                 emptied.append(page)
         self.num_held -= len(ids)
+        self._generation += 1
         self.pool.release(emptied)
         return emptied
 

@@ -189,6 +189,9 @@ class PagePool:
         self._capacity: tuple[float, int] | None = None  # (time, kv pages) cache
         self._maps = self._unmaps = self._failures = 0
         self._peak = 0
+        #: Bumped whenever the mapped set (``in_use | reserve``) changes: callers may cache
+        #: anything derived from it until it moves.
+        self.mapped_generation = 0
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -196,6 +199,11 @@ class PagePool:
         with self._lock:
             self._confirm(wait=False)
             return self.in_use | set(self.reserve)
+
+    def settle(self) -> None:
+        """Take in every refill whose replies have arrived (never waits)."""
+        with self._lock:
+            self._confirm(wait=False)
 
     def is_mapped(self, page: int) -> bool:
         with self._lock:
@@ -242,6 +250,7 @@ class PagePool:
             raise
         self._capacity = None
         self._maps += len(pages)
+        self.mapped_generation += 1
         for page in pages:
             self.reserve[page] = 0
         self._peak = max(self._peak, len(self.in_use) + len(self.reserve))
@@ -282,6 +291,7 @@ class PagePool:
                 self._capacity = None
                 continue
             self._maps += len(pages_)
+            self.mapped_generation += 1
             for page in pages_:
                 self.reserve[page] = 0
         self._peak = max(self._peak, len(self.in_use) + len(self.reserve))
@@ -308,6 +318,7 @@ class PagePool:
         if not pages:
             return
         self.space.unmap_pages(pages)
+        self.mapped_generation += 1
         for page in pages:
             del self.reserve[page]
         self._unmaps += len(pages)
@@ -350,6 +361,7 @@ class PagePool:
             for page in wanted:
                 self.reserve[page] = 0
             self._maps += len(wanted)
+            self.mapped_generation += 1
             self._peak = max(self._peak, len(self.in_use) + len(self.reserve))
 
     def prefetch(self, pages: Sequence[int]) -> int:

@@ -59,6 +59,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvcached.errors import IntegrationError
@@ -119,8 +120,29 @@ def _elastic_pool(obj: Any) -> ElasticBlockPool | None:
     return pool if isinstance(pool, ElasticBlockPool) else None
 
 
-def _readable_signature(original: Callable[..., Any], qualname: str, names: tuple[str, ...]) -> inspect.Signature:
-    """The signature the seam binds calls against; it must name ``names``.
+@dataclass(frozen=True, slots=True)
+class ArgReader:
+    """Reads named arguments of a call without binding its signature (no reflection per call).
+
+    Built once at install from the method's signature: each name's position (after
+    ``self``), keyword-only flag and default. Raises nothing per call; a missing argument
+    without a default reads as `MISSING`.
+    """
+
+    slots: tuple[tuple[str, int | None, Any], ...]  # (name, position or None if keyword-only, default)
+
+    def read(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        out = []
+        for name, pos, default in self.slots:
+            if pos is not None and pos < len(args):
+                out.append(args[pos])
+            else:
+                out.append(kwargs.get(name, default))
+        return tuple(out)
+
+
+def _readable_signature(original: Callable[..., Any], qualname: str, names: tuple[str, ...]) -> ArgReader:
+    """How the seam reads ``names`` from a call; the signature must name them.
 
     Follows ``__wrapped__``. A foreign wrapper that hides the parameters (``*args``
     without ``functools.wraps``) is refused at install instead of misread at run time.
@@ -132,12 +154,19 @@ def _readable_signature(original: Callable[..., Any], qualname: str, names: tupl
             f"{qualname} has signature {signature}, without {missing}; it was replaced by a wrapper "
             "kvcached cannot read (use functools.wraps)"
         )
-    return signature
+    params = list(signature.parameters.values())[1:]  # after self
+    slots = []
+    for name in names:
+        p = signature.parameters[name]
+        positional = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        default = MISSING if p.default is p.empty else p.default
+        slots.append((name, params.index(p) if positional else None, default))
+    return ArgReader(tuple(slots))
 
 
 def _wrap_get_num_blocks_to_allocate(original: Callable[..., int]) -> Callable[..., int]:
-    signature = _readable_signature(original, "KVCacheCoordinator.get_num_blocks_to_allocate",
-                                    ("new_computed_blocks",))
+    reader = _readable_signature(original, "KVCacheCoordinator.get_num_blocks_to_allocate",
+                                 ("new_computed_blocks",))
 
     @functools.wraps(original)
     def get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> int:
@@ -146,8 +175,8 @@ def _wrap_get_num_blocks_to_allocate(original: Callable[..., int]) -> Callable[.
         # Only admission's own checks are demand; the scheduler also asks for estimates
         # (``_request_remaining_blocks``) that must not map anything.
         if pool is not None and pool.in_admission:
-            bound = signature.bind(self, *args, **kwargs)
-            pool.note_demand(num_blocks, bound.arguments["new_computed_blocks"])
+            (new_computed_blocks,) = reader.read(args, kwargs)
+            pool.note_demand(num_blocks, new_computed_blocks)
         return num_blocks
 
     return get_num_blocks_to_allocate
@@ -171,22 +200,20 @@ def _partial_prefix_hit(manager: Any, request: Any, num_new_computed_tokens: int
 
 
 def _wrap_allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
-    signature = _readable_signature(original, "KVCacheManager.allocate_slots",
-                                    ("request", "num_new_computed_tokens", "new_computed_blocks", "reserved_blocks"))
+    reader = _readable_signature(original, "KVCacheManager.allocate_slots",
+                                 ("request", "num_new_computed_tokens", "new_computed_blocks", "reserved_blocks"))
 
     @functools.wraps(original)
     def allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
         pool = _elastic_pool(self)
         if pool is None:
             return original(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
+        request, num_new_computed_tokens, new_computed_blocks, reserved_blocks = reader.read(args, kwargs)
         site = "admission"
-        if _partial_prefix_hit(self, a["request"], a["num_new_computed_tokens"], a["new_computed_blocks"]):
+        if _partial_prefix_hit(self, request, num_new_computed_tokens, new_computed_blocks):
             site = "cow_admission"
             pool.trigger("partial_prefix_hit")
-        with pool.admission(watermark=self.watermark_blocks, reserved=a["reserved_blocks"], site=site):
+        with pool.admission(watermark=self.watermark_blocks, reserved=reserved_blocks, site=site):
             return original(self, *args, **kwargs)
 
     return allocate_slots
