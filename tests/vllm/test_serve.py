@@ -55,7 +55,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, obje
 def test_server_reports_kvcached_active_and_native_alone(served: dict[str, dict[str, object]]) -> None:
     assert ACTIVE_LINE in str(served["kvcached"]["log"])
     assert ACTIVE_LINE not in str(served["native"]["log"])
-    assert "Traceback" not in str(served["kvcached"]["log"]).replace("Chat template warmup failed", "")
+    log = str(served["kvcached"]["log"])
+    # Nothing failed while serving. At SIGTERM vLLM's own output handler may log an
+    # EngineDeadError traceback (native servers do too); no kvcached frame appears in any.
+    assert "Traceback" not in log.split("[shutdown]")[0]
+    assert "/kvcached/" not in log
 
 
 def test_requests_one_at_a_time_give_native_tokens(served: dict[str, dict[str, object]]) -> None:
