@@ -25,24 +25,12 @@ from conformance.results import ProbeRecord, StepRecord
 
 
 @dataclass
-class StepSample:
-    step: int
-    t: float  # seconds since the probe was installed
-    scheduled_tokens: int
-    num_requests: int
-    copies: int
-    preempted: int
-    mapped_bytes: int
-    rank_round_trips: int  # kvcached's blocking scheduler→rank requests so far (0 native)
-
-
-@dataclass
 class EngineProbe:
     """Per-engine counters, filled while the engine runs."""
 
     block_size: int
     memory_sampler: Callable[[], tuple[int, int]]  # (mapped bytes, rank round trips)
-    steps: list[StepSample] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
     # One entry per step: the schedule as (request order index, scheduled tokens) pairs.
     schedule_fingerprint: list[list[tuple[int, int]]] = field(default_factory=list)
     copy_pairs: list[tuple[int, int]] = field(default_factory=list)
@@ -68,7 +56,7 @@ class EngineProbe:
 
     def record(self) -> ProbeRecord:
         return ProbeRecord(
-            steps=[StepRecord(**s.__dict__) for s in self.steps],
+            steps=list(self.steps),
             schedule_fingerprint=[list(fp) for fp in self.schedule_fingerprint],
             copies_total=self.copies_total,
             copy_batches=self.copy_batches,
@@ -95,7 +83,7 @@ def install_probe(sched: Any, memory_sampler: Callable[[], tuple[int, int]]) -> 
         fp = sorted((probe.order_of(rid), int(n)) for rid, n in out.num_scheduled_tokens.items())
         probe.schedule_fingerprint.append(fp)
         probe.steps.append(
-            StepSample(
+            StepRecord(
                 step=len(probe.steps),
                 t=round(time.monotonic() - probe._t0, 4),
                 scheduled_tokens=int(out.total_num_scheduled_tokens),
