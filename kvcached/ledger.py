@@ -12,10 +12,16 @@ page pool's view consistent with that:
 
 The ledger does not know *why* a block is held; policy (prefix caching, eviction) is the
 caller's.
+
+Cost: the scheduler asks on every step, so nothing here scans the pool. The count of free
+blocks on mapped pages and the mapped pages with free blocks, bucketed by how many blocks
+they hold, change with each hold, release, map and unmap (the page pool's watcher), so a
+query or a choice costs what it touches.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Collection, Iterable, Iterator, Sequence
 
 from kvcached.errors import ConfigError, InvariantError
@@ -50,8 +56,12 @@ class BlockLedger:
         ]
         self.num_held = 0
         self._admission_misses = 0
-        self._generation = 0  # bumped by every hold/release: the free sets changed
-        self._backed_cache: tuple[int, int, int] = (-1, -1, 0)  # (pool generation, generation, count)
+        # Invariants (`check`): _backed_free == free blocks on mapped pages; a page is in
+        # _open[h] iff it is mapped, holds h blocks and has a free one.
+        self._backed_free = 0
+        self._open: list[set[int]] = [set() for _ in range(blocks_per_page)]
+        pool.watch(self._pages_changed)
+        self._pages_changed(sorted(p for p in pool.mapped if p < self.num_pages), ())
         pinned = sorted(set(pinned))
         if pinned:
             self.hold(pinned, wait=True)
@@ -71,30 +81,51 @@ class BlockLedger:
         return self.pool.is_mapped(self.page_of(block_id))
 
     def backed_free_count(self) -> int:
-        """Free blocks that sit on mapped pages (usable without a driver call).
+        """Free blocks that sit on mapped pages (usable without a driver call). O(1)."""
+        self.pool.settle()  # refills whose replies are in join first (the watcher counts them)
+        return self._backed_free
 
-        Cached until the pool's mapped set or this ledger's free sets change: admission
-        asks several times per request, and the answer only moves with those.
-        """
-        self.pool.settle()  # refills whose replies are in join first (may bump the generation)
-        pool_generation, generation, count = self._backed_cache
-        if (pool_generation, generation) == (self.pool.mapped_generation, self._generation):
-            return count
-        count = sum(len(self._free_per_page[p]) for p in self.pool.mapped if p < self.num_pages)
-        self._backed_cache = (self.pool.mapped_generation, self._generation, count)
-        return count
+    def _pages_changed(self, mapped: Sequence[int], unmapped: Sequence[int]) -> None:
+        """The pool's watcher: keep the backed count and the open buckets."""
+        for page in mapped:
+            if page < self.num_pages and self._free_per_page[page]:
+                self._backed_free += len(self._free_per_page[page])
+                self._open[self._held_per_page[page]].add(page)
+        for page in unmapped:
+            if page < self.num_pages and self._free_per_page[page]:
+                self._backed_free -= len(self._free_per_page[page])
+                self._open[self._held_per_page[page]].discard(page)
+
+    def _unmapped_pages(self) -> Iterator[int]:
+        """Unmapped pages of this ledger, lowest first (a refill in flight included)."""
+        done, want = 0, 8
+        while True:
+            pages = self.pool.lowest_unmapped(want)
+            for page in pages[done:]:
+                if page >= self.num_pages:
+                    return
+                yield page
+            if len(pages) < want:
+                return
+            done, want = want, want * 2
 
     def _pages_best_first(self) -> Iterator[int]:
         """Pages with free blocks, best first: mapped before unmapped, fullest first.
 
-        Lazy: an unmapped page holds no block (holding maps it), so unmapped pages are
-        equal but for their index and come in ascending order without a sort.
+        Lazy: mapped pages come bucket by bucket (most held first, lowest index first
+        within a bucket), and an unmapped page holds no block (holding maps it), so
+        unmapped pages are equal but for their index and come in ascending order.
         """
-        mapped = self.pool.mapped
-        free = self._free_per_page
-        yield from sorted((p for p in mapped if p < self.num_pages and free[p]),
-                          key=lambda p: (-self._held_per_page[p], p))
-        yield from (p for p in range(self.num_pages) if free[p] and p not in mapped)
+        for bucket in reversed(self._open):
+            if len(bucket) <= 64:
+                yield from sorted(bucket)
+            else:
+                # Most choices need one page: find the smallest without sorting all.
+                heap = list(bucket)
+                heapq.heapify(heap)
+                while heap:
+                    yield heapq.heappop(heap)
+        yield from self._unmapped_pages()
 
     def page_order(self) -> list[int]:
         """Pages with free blocks, best first: mapped before unmapped, fullest first."""
@@ -132,13 +163,19 @@ class BlockLedger:
                 raise InvariantError(f"hold(): block {b} is out of range or already held")
         new_pages = {self.page_of(b) for b in ids if self._held_per_page[self.page_of(b)] == 0}
         self.pool.acquire(new_pages, wait=wait)  # raises with nothing changed
+        # Every page of `ids` is mapped now (in use): each block leaves the backed count.
         for b in ids:
             page = self.page_of(b)
+            held = self._held_per_page[page]
+            free = self._free_per_page[page]
+            self._open[held].discard(page)
             self._held[b] = 1
-            self._held_per_page[page] += 1
-            self._free_per_page[page].discard(b)
+            self._held_per_page[page] = held + 1
+            free.discard(b)
+            if free:
+                self._open[held + 1].add(page)
         self.num_held += len(ids)
-        self._generation += 1
+        self._backed_free -= len(ids)
 
     def release(self, block_ids: Iterable[int]) -> list[int]:
         """Mark held blocks free; pages left with no held block go back to the pool.
@@ -153,15 +190,21 @@ class BlockLedger:
             if not 0 <= b < self.num_blocks or not self._held[b]:
                 raise InvariantError(f"release(): block {b} is out of range or not held")
         emptied: list[int] = []
+        # Every page of `ids` is mapped (in use): each block joins the backed count.
         for b in ids:
             page = self.page_of(b)
+            held = self._held_per_page[page]
+            free = self._free_per_page[page]
+            if free:
+                self._open[held].discard(page)
             self._held[b] = 0
-            self._held_per_page[page] -= 1
-            self._free_per_page[page].add(b)
-            if self._held_per_page[page] == 0:
+            self._held_per_page[page] = held - 1
+            free.add(b)
+            self._open[held - 1].add(page)
+            if held == 1:
                 emptied.append(page)
         self.num_held -= len(ids)
-        self._generation += 1
+        self._backed_free += len(ids)
         self.pool.release(emptied)
         return emptied
 
@@ -174,15 +217,13 @@ class BlockLedger:
         backed = self.backed_free_count()
         if backed >= n:
             return backed
-        mapped = self.pool.mapped
         wanted: list[int] = []
         deficit = n - backed
-        for page in range(self.num_pages):
+        for page in self._unmapped_pages():
             if deficit <= 0:
                 break
-            if page not in mapped and self._free_per_page[page]:
-                wanted.append(page)
-                deficit -= len(self._free_per_page[page])
+            wanted.append(page)
+            deficit -= len(self._free_per_page[page])  # an unmapped page holds no block
         wanted = wanted[: self.pool.capacity_pages()]
         if wanted:
             self.pool.prefetch(wanted)
@@ -205,6 +246,9 @@ class BlockLedger:
             unmaps=c.unmaps,
             map_failures=c.map_failures,
             admission_misses=self._admission_misses,
+            page_takes=c.takes,
+            reserve_hits=c.reserve_hits,
+            blocking_maps=c.blocking_maps,
         )
 
     def note_admission_miss(self) -> None:
@@ -225,3 +269,12 @@ class BlockLedger:
                 raise InvariantError(f"page {page}: free set out of sync")
             if (page_held > 0) != (page in self.pool.in_use):
                 raise InvariantError(f"page {page}: held={page_held} but in_use={page in self.pool.in_use}")
+        mapped = self.pool.mapped
+        backed = sum(len(self._free_per_page[p]) for p in mapped if p < self.num_pages)
+        if backed != self._backed_free:
+            raise InvariantError(f"backed free count {self._backed_free} != {backed}")
+        for held, bucket in enumerate(self._open):
+            expected = {p for p in mapped if p < self.num_pages and self._free_per_page[p]
+                        and self._held_per_page[p] == held}
+            if bucket != expected:
+                raise InvariantError(f"pages open with {held} held blocks: {sorted(bucket)} != {sorted(expected)}")

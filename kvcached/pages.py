@@ -21,13 +21,18 @@ same set of block ids in every layer.
   handed out, never unmapped), and they join the reserve once every rank confirmed, at the
   pool's next decision. A refused refill leaves nothing mapped and is counted as a map
   failure. So a step whose demand the reserve covers waits for no round trip.
+
+Cost: every decision is proportional to the pages it touches, never to the space. The
+mapped set is kept as it changes, the lowest unmapped pages come from a lazy min-heap,
+and a watcher (the block ledger) hears every change of the mapped set.
 """
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -165,6 +170,9 @@ class PoolCounters:
     mapped_pages: int
     peak_mapped_pages: int
     reserve_pages: int
+    takes: int = 0  # pages made in use
+    reserve_hits: int = 0  # ... that were mapped already (no driver call, no wait)
+    blocking_maps: int = 0  # pages mapped, or waited for, on the caller's path
 
 
 class PagePool:
@@ -188,17 +196,58 @@ class PagePool:
         self.pending: dict[int, Confirmation] = {}  # kv page -> its refill in flight
         self._capacity: tuple[float, int] | None = None  # (time, kv pages) cache
         self._maps = self._unmaps = self._failures = 0
+        self._takes = self._hits = self._blocking = 0
         self._peak = 0
         #: Bumped whenever the mapped set (``in_use | reserve``) changes: callers may cache
         #: anything derived from it until it moves.
         self.mapped_generation = 0
+        self._mapped: set[int] = set()  # == in_use | reserve, kept as it changes
+        # Candidates for the lowest unmapped pages: a min-heap that may hold stale entries
+        # (pages mapped since, duplicates); `lowest_unmapped` drops them as it meets them.
+        self._unmapped_heap = list(range(space.num_kv_pages))  # sorted, hence a heap
+        self._watcher: Callable[[Sequence[int], Sequence[int]], None] | None = None
 
     # ---- queries -------------------------------------------------------------------
     @property
     def mapped(self) -> set[int]:
+        """A copy of the mapped set (``in_use | reserve``), refills whose replies are in included."""
         with self._lock:
             self._confirm(wait=False)
-            return self.in_use | set(self.reserve)
+            return set(self._mapped)
+
+    @property
+    def num_mapped(self) -> int:
+        with self._lock:
+            self._confirm(wait=False)
+            return len(self._mapped)
+
+    def watch(self, watcher: Callable[[Sequence[int], Sequence[int]], None]) -> None:
+        """Call ``watcher(mapped, unmapped)`` after every change of the mapped set.
+
+        One watcher per pool (the ledger that sits on it); it must not call back into the
+        pool's state changes.
+        """
+        if self._watcher is not None:
+            raise InvariantError("this page pool already has a watcher")
+        self._watcher = watcher
+
+    def lowest_unmapped(self, n: int, *, skip_pending: bool = False) -> list[int]:
+        """Up to ``n`` unmapped kv pages, lowest first (pages of a refill in flight count
+        as unmapped unless ``skip_pending``). O(n log N) amortized; no state changes."""
+        with self._lock:
+            heap = self._unmapped_heap
+            out: list[int] = []
+            seen: set[int] = set()
+            while heap and len(out) < n:
+                page = heapq.heappop(heap)
+                if page in seen or page in self._mapped:
+                    continue  # a duplicate, or stale (pushed again when it is unmapped)
+                seen.add(page)
+                if not (skip_pending and page in self.pending):
+                    out.append(page)
+            for page in seen:
+                heapq.heappush(heap, page)
+            return out
 
     def settle(self) -> None:
         """Take in every refill whose replies have arrived (never waits)."""
@@ -208,7 +257,7 @@ class PagePool:
     def is_mapped(self, page: int) -> bool:
         with self._lock:
             self._confirm(wait=False)
-            return page in self.in_use or page in self.reserve
+            return page in self._mapped
 
     def capacity_pages(self) -> int:
         """kv pages this pool could map now (cached for ``capacity_ttl_s``)."""
@@ -227,7 +276,7 @@ class PagePool:
             return PoolCounters(self._maps + pending, self._unmaps, self._failures,
                                 len(self.in_use) + len(self.reserve) + pending,
                                 max(self._peak, len(self.in_use) + len(self.reserve) + pending),
-                                len(self.reserve) + pending)
+                                len(self.reserve) + pending, self._takes, self._hits, self._blocking)
 
     # ---- mechanism -----------------------------------------------------------------
     def _map_batch(self, pages: Sequence[int]) -> None:
@@ -250,10 +299,17 @@ class PagePool:
             raise
         self._capacity = None
         self._maps += len(pages)
-        self.mapped_generation += 1
         for page in pages:
             self.reserve[page] = 0
-        self._peak = max(self._peak, len(self.in_use) + len(self.reserve))
+        self._mapped_now(pages)
+
+    def _mapped_now(self, pages: Sequence[int]) -> None:
+        """Bookkeeping after ``pages`` joined the reserve (already entered there)."""
+        self.mapped_generation += 1
+        self._mapped.update(pages)
+        self._peak = max(self._peak, len(self._mapped))
+        if self._watcher is not None:
+            self._watcher(pages, ())
 
     def _map_with_retry(self, pages: Sequence[int], wait: bool) -> None:
         attempts = self.config.map_retries + 1 if wait else 1
@@ -291,10 +347,15 @@ class PagePool:
                 self._capacity = None
                 continue
             self._maps += len(pages_)
-            self.mapped_generation += 1
             for page in pages_:
                 self.reserve[page] = 0
-        self._peak = max(self._peak, len(self.in_use) + len(self.reserve))
+            self._mapped_now(pages_)
+
+    def _waits_for(self, pages: Iterable[int]) -> set[int]:
+        """Those of ``pages`` in a refill whose replies are not in yet."""
+        if not self.pending:
+            return set()
+        return {p for p in pages if p in self.pending and not self.pending[p].done()}
 
     def _refill_later(self, pages: list[int]) -> bool:
         """Send a refill without waiting (deferred spaces only); False if nothing was sent."""
@@ -321,8 +382,18 @@ class PagePool:
         self.mapped_generation += 1
         for page in pages:
             del self.reserve[page]
+        self._mapped.difference_update(pages)
         self._unmaps += len(pages)
         self._capacity = None
+        heap = self._unmapped_heap
+        if len(heap) + len(pages) > 2 * self.space.num_kv_pages + 64:
+            # Too many stale entries: rebuild (amortized over as many unmaps).
+            heap[:] = [p for p in range(self.space.num_kv_pages) if p not in self._mapped]
+        else:
+            for page in pages:
+                heapq.heappush(heap, page)
+        if self._watcher is not None:
+            self._watcher((), pages)
 
     # ---- policy --------------------------------------------------------------------
     def acquire(self, pages: Iterable[int], *, wait: bool = False) -> None:
@@ -332,6 +403,7 @@ class PagePool:
         """
         with self._lock:
             wanted = sorted(set(pages))
+            waited = self._waits_for(wanted)
             # A refill this take needs is waited for; every other one only if its replies are in.
             self._confirm(wait=True, pages=wanted)
             for page in wanted:
@@ -339,6 +411,10 @@ class PagePool:
                     raise InvariantError(f"kv page {page} is already in use or out of range")
             missing = [p for p in wanted if p not in self.reserve]
             self._map_with_retry(missing, wait)
+            blocked = len(waited.union(missing))
+            self._takes += len(wanted)
+            self._hits += len(wanted) - blocked
+            self._blocking += blocked
             for page in wanted:
                 del self.reserve[page]
                 self.in_use.add(page)
@@ -361,8 +437,7 @@ class PagePool:
             for page in wanted:
                 self.reserve[page] = 0
             self._maps += len(wanted)
-            self.mapped_generation += 1
-            self._peak = max(self._peak, len(self.in_use) + len(self.reserve))
+            self._mapped_now(wanted)
 
     def prefetch(self, pages: Sequence[int]) -> int:
         """Map idle ``pages`` into the reserve, one at a time, until capacity runs out.
@@ -372,6 +447,7 @@ class PagePool:
         with self._lock:
             pages = list(pages)
             # A refill holding a page asked for here is waited for, never mapped twice.
+            self._blocking += len(self._waits_for(pages))
             self._confirm(wait=True, pages=pages)
             mapped = 0
             for page in pages:
@@ -382,6 +458,7 @@ class PagePool:
                 except PhysicalMemoryExhausted:
                     break
                 mapped += 1
+            self._blocking += mapped
             return mapped
 
     def release(self, pages: Iterable[int]) -> None:
@@ -425,7 +502,6 @@ class PagePool:
         need = self.config.min_reserve_pages - len(self.reserve) - len(self.pending)
         if need <= 0:
             return
-        candidates = [p for p in range(self.space.num_kv_pages)
-                      if p not in self.in_use and p not in self.reserve and p not in self.pending][:need]
+        candidates = self.lowest_unmapped(need, skip_pending=True)
         if not self._refill_later(candidates):
             self.prefetch(candidates)

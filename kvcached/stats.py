@@ -19,6 +19,12 @@ class PoolStats:
     ``rank_round_trips`` counts the blocking page requests sent to the engine's ranks
     (``kvcached.ranks``); the reserve keeps it at zero while it covers the demand.
 
+    ``page_takes`` counts kv pages handed to blocks; ``reserve_hits`` those that were
+    already mapped when taken (no driver call and no wait on the scheduler's path: the
+    reserve, or a refill sent ahead whose reply was in). ``blocking_maps`` counts kv pages
+    mapped on the scheduler's path, or whose refill it had to wait for (0 while the reserve
+    covers the demand); ``maps`` counts every page mapped, refills sent ahead included.
+
     ``map_failures`` counts page-map batches the backend refused; ``admission_misses``
     counts admission checks the pool had to answer with fewer blocks than asked because
     memory was short or a fault was injected (each is a scheduling miss for the caller,
@@ -37,6 +43,14 @@ class PoolStats:
     unmaps: int
     map_failures: int
     admission_misses: int
+    page_takes: int = 0
+    reserve_hits: int = 0
+    blocking_maps: int = 0
+
+    @property
+    def reserve_hit_rate(self) -> float:
+        """``reserve_hits / page_takes`` (1.0 before any take)."""
+        return self.reserve_hits / self.page_takes if self.page_takes else 1.0
 
 
 class StatsSource(Protocol):

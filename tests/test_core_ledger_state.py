@@ -133,6 +133,22 @@ class ElasticCoreMachine(RuleBasedStateMachine):
         assert sorted(self.vrange.mapped_pages()) == sorted(self.pool.mapped)
 
     @invariant()
+    def choice_is_page_aware(self) -> None:
+        """The incremental order equals the definition: mapped pages with a free block,
+        most held first (lowest index on ties), then unmapped pages ascending."""
+        bpp = self.ledger.blocks_per_page
+        held = [0] * self.ledger.num_pages
+        for b in self.held:
+            held[b // bpp] += 1
+        size = [min(bpp, NUM_BLOCKS - p * bpp) for p in range(self.ledger.num_pages)]
+        mapped = self.pool.mapped
+        open_ = sorted((p for p in mapped if held[p] < size[p]), key=lambda p: (-held[p], p))
+        unmapped = [p for p in range(self.ledger.num_pages) if p not in mapped]
+        assert self.ledger.page_order() == open_ + unmapped
+        assert self.pool.lowest_unmapped(3) == unmapped[:3]
+        assert self.ledger.backed_free_count() == sum(size[p] - held[p] for p in mapped)
+
+    @invariant()
     def within_budget(self) -> None:
         assert self.budget.used == self.vrange.num_mapped * PAGE
         assert self.budget.used <= BUDGET_PAGES * PAGE

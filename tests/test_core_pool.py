@@ -178,3 +178,32 @@ def test_fault_plan_errors_are_clear(tmp_path: Path):
     with pytest.raises(ConfigError, match="accepted sites"):
         FaultInjector.from_env(str(bad))
     assert FaultInjector.from_env("") is None
+
+
+def test_lowest_unmapped_stays_exact_and_bounded_over_many_map_cycles():
+    """The lazy heap drops stale entries and duplicates, and is rebuilt before it grows
+    past twice the space: after 200 map/unmap cycles the answer is still the definition."""
+    pool, (vr,), _ = make_pool(num_pages=8)
+    for i in range(200):
+        pages = [i % 8, (3 * i + 1) % 8]
+        pool.acquire(pages)
+        assert pool.lowest_unmapped(8) == [p for p in range(8) if p not in pages]
+        pool.release(pages)
+        pool.collect()
+        assert len(pool._unmapped_heap) <= 2 * 8 + 64
+    pool.acquire([2, 5])
+    assert pool.lowest_unmapped(3) == [0, 1, 3] and pool.lowest_unmapped(100) == [0, 1, 3, 4, 6, 7]
+    assert vr.mapped_pages() == [2, 5]
+
+
+def test_reserve_hits_and_blocking_maps_are_counted_per_page():
+    """A take from the reserve is a hit; a page mapped on the caller's path is a blocking
+    map (the local space has no deferred refill: its top-up maps on the path too)."""
+    pool, _, _ = make_pool(num_pages=8, min_reserve_pages=1, max_reserve_pages=1)
+    pool.acquire([0])  # not mapped: one blocking map, then the top-up maps one more
+    c = pool.counters()
+    assert (c.takes, c.reserve_hits, c.blocking_maps) == (1, 0, 2)
+    (refill,) = pool.reserve
+    pool.acquire([refill])  # from the reserve: a hit (and another top-up)
+    c = pool.counters()
+    assert (c.takes, c.reserve_hits, c.blocking_maps) == (2, 1, 3)

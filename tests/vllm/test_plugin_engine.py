@@ -53,13 +53,24 @@ CHILD = textwrap.dedent("""
     import kvcached
     import kvcached.integration.vllm.plugin as plugin
 
+    stats = {k: [v.mapped_bytes, v.live_blocks, v.capacity_blocks] for k, v in kvcached.stats().items()}
+
     pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
     fence = getattr(pool, "fence", None)
+    import threading
+    refill_threads = lambda: sum(t.name.startswith("kvcached-refill") for t in threading.enumerate())
+    during = refill_threads()
+    deferred = pool.page_pool.space.deferred if fence is not None else 0
+    pool_stats = {k: [v.page_takes, v.reserve_hits, v.blocking_maps] for k, v in kvcached.stats().items()}
+    llm.llm_engine.engine_core.shutdown()
     json.dump({
+        "refill_threads": [during, refill_threads()],
+        "deferred_refills": deferred,
+        "takes": pool_stats,
         "pool_type": type(pool).__name__,
         "steps": None if fence is None else [fence.scheduled, fence.executed],
         "kv_bytes": None if fence is None else pool.page_pool.space.kv_page_bytes * pool.page_pool.space.num_kv_pages,
-        "stats": {k: [v.mapped_bytes, v.live_blocks, v.capacity_blocks] for k, v in kvcached.stats().items()},
+        "stats": stats,
         "calls": calls,
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "reset": reset,
@@ -113,6 +124,7 @@ def test_disabled_plugin_is_exactly_native(tiny_llama: Path, tmp_path: Path) -> 
     assert disabled["tokens"] == no_plugin["tokens"]
     assert disabled["pool_type"] == no_plugin["pool_type"] == "BlockPool"
     assert disabled["reset"] is no_plugin["reset"] is True
+    assert disabled["refill_threads"] == no_plugin["refill_threads"] == [0, 0]
 
 
 def shape(calls: list) -> list:
@@ -137,3 +149,9 @@ def test_enabled_plugin_serves_the_same_tokens_with_native_scheduling(tiny_llama
     assert scheduled == executed > 0
     ((mapped, _live, _capacity),) = elastic["stats"].values()
     assert 0 < mapped <= elastic["kv_bytes"] // 16, "only a small fraction of the KV cache is ever mapped"
+    # In-process executor: refills sent ahead ran on the one background thread, which the
+    # engine's shutdown stopped; the pool counted its takes (hits are timing, not checked).
+    assert elastic["deferred_refills"] > 0
+    assert elastic["refill_threads"] == [1, 0]
+    ((takes, hits, blocking),) = elastic["takes"].values()
+    assert takes > 0 and 0 <= hits <= takes and blocking >= 0

@@ -142,13 +142,14 @@ class _Demand:
     protected: frozenset[int]
 
 
-@dataclass(frozen=True, slots=True)
-class _Admission:
-    """Context of one ``allocate_slots`` call (set by the scheduler seam)."""
+#: A check that allocates nothing and touches no prefix hit (a decode step inside a block):
+#: its answer cannot change what is allocated, so it gets the native count at no cost.
+_NO_DEMAND = _Demand(0, frozenset())
 
-    watermark: int
-    reserved: int
-    site: str
+
+#: Context of one ``allocate_slots`` call (set by the scheduler seam): watermark, reserved
+#: blocks, fault site. A plain tuple: it is built for every request of every step.
+_Admission = tuple[int, int, str]
 
 
 class ElasticBlockPool(BlockPool):
@@ -196,6 +197,9 @@ class ElasticBlockPool(BlockPool):
         self._stranded: set[int] = set()
         self._demand: _Demand | None = None
         self._admission: _Admission | None = None
+        #: Whether an ``allocate_slots`` call is in progress (`begin_admission`): only its
+        #: own checks are demand. An attribute, not a property: read for every request.
+        self.admitting = False
         self._logical_view = False
         self.arena: ElasticArena | None = None
         self._finalizer: weakref.finalize | None = None
@@ -251,25 +255,34 @@ class ElasticBlockPool(BlockPool):
         protected = frozenset(
             b.block_id for group in new_computed_blocks for b in group if b.ref_cnt == 0 and not b.is_null
         )
-        self._demand = _Demand(num_blocks, protected)
+        self._demand = _Demand(num_blocks, protected) if num_blocks or protected else _NO_DEMAND
 
-    @contextlib.contextmanager
-    def admission(self, *, watermark: int, reserved: int, site: str) -> Iterator[None]:
-        """Scope of one ``allocate_slots`` call: headroom for mapping and the fault site."""
+    def begin_admission(self, watermark: int, reserved: int, site: str) -> _Admission | None:
+        """Enter one ``allocate_slots`` call: headroom for mapping and the fault site.
+
+        Returns the enclosing admission, to be handed back to `end_admission` (the scheduler
+        seam pairs them in ``try``/``finally``; `admission` is the same as a context manager).
+        """
         if site not in ADMISSION_SITES:
             raise InvariantError(f"unknown admission site {site!r}")
         previous = self._admission
-        self._admission = _Admission(watermark, reserved, site)
+        self._admission = (watermark, reserved, site)
+        self.admitting = True
+        return previous
+
+    def end_admission(self, previous: _Admission | None) -> None:
+        self._admission = previous
+        self.admitting = previous is not None
+        self._demand = None
+
+    @contextlib.contextmanager
+    def admission(self, *, watermark: int, reserved: int, site: str) -> Iterator[None]:
+        """Scope of one ``allocate_slots`` call (`begin_admission` .. `end_admission`)."""
+        previous = self.begin_admission(watermark, reserved, site)
         try:
             yield
         finally:
-            self._admission = previous
-            self._demand = None
-
-    @property
-    def in_admission(self) -> bool:
-        """Whether an ``allocate_slots`` call is in progress (see `admission`)."""
-        return self._admission is not None
+            self.end_admission(previous)
 
     def trigger(self, name: str) -> None:
         """Forward a fault-injection trigger (no-op when injection is off)."""
@@ -286,8 +299,10 @@ class ElasticBlockPool(BlockPool):
         native = self.free_block_queue.num_free_blocks
         if self._logical_view:
             return native
-        self._adopt_external_pops()
         demand, self._demand = self._demand, None
+        if demand is _NO_DEMAND:
+            return native  # allocates and touches nothing: the native count gives the native answer
+        self._adopt_external_pops()
         if demand is not None:
             return self._admit(native, demand)
         return self._backable(native, self.ledger.backed_free_count())
@@ -308,7 +323,7 @@ class ElasticBlockPool(BlockPool):
     def _admit(self, native: int, demand: _Demand) -> int:
         """The free count for one admission check, mapping (or reclaiming) what it needs."""
         adm = self._admission
-        watermark, reserved = (adm.watermark, adm.reserved) if adm is not None else (0, 0)
+        watermark, reserved, site = adm if adm is not None else (0, 0, "")
         idle = self._backable(native, self.ledger.backed_free_count())
         # Hopeless checks map nothing: above num_gpu_blocks is MambaManager's "not this
         # step" sentinel, and beyond the native free count vLLM refuses anyway.
@@ -316,7 +331,7 @@ class ElasticBlockPool(BlockPool):
             return idle
         if demand.blocks > 0 and adm is not None and self.faults is not None:
             try:
-                self.faults.check(adm.site)
+                self.faults.check(site)
             except InjectedFault:
                 # Injected failure: nothing is mapped or reclaimed, and the count is held
                 # below the demand so this attempt is a scheduling miss

@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
@@ -94,19 +95,45 @@ def rank_request(worker: Any, request: PageRequest) -> RankReply:
     return reply
 
 
+def runs_inline(executor: Any) -> bool:
+    """Whether the executor's worker runs in this process, on the caller's thread: its
+    "non-blocking" ``collective_rpc`` then runs the call before returning."""
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    return isinstance(executor, UniProcExecutor)
+
+
 class ExecutorChannel:
-    """`kvcached.ranks.PageChannel` over a vLLM executor's ``collective_rpc``."""
+    """`kvcached.ranks.PageChannel` over a vLLM executor's ``collective_rpc``.
+
+    ``call_later`` must not cost the caller the call. A multiprocess executor sends it over
+    its queues and returns a future. An in-process one (``UniProcExecutor``: every TP=1
+    engine on a GPU) would run it inline, so a refill sent ahead of demand would put its
+    driver calls on the scheduler's step; there it runs on one background thread instead.
+    That is safe because a refill's pages are never handed out, touched or unmapped until
+    the pool has its reply, the rank serializes the requests it applies
+    (`kvcached.ranks.RankPages`), and the backends release the GIL and lock their ranges.
+    """
 
     def __init__(self, executor: Any, timeout_s: float = RPC_TIMEOUT_S) -> None:
         self.executor = executor
         self.timeout_s = timeout_s
+        self._background = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcached-refill")
+                            if runs_inline(executor) else None)
 
     def call(self, request: PageRequest) -> list[RankReply]:
         return list(self.executor.collective_rpc(rank_request, timeout=self.timeout_s, args=(request,)))
 
     def call_later(self, request: PageRequest) -> Any:
-        """Send without waiting: vLLM's own non-blocking ``collective_rpc`` (a future)."""
+        """Send without waiting; returns a future of the replies."""
+        if self._background is not None:
+            return self._background.submit(self.call, request)
         return self.executor.collective_rpc(rank_request, timeout=self.timeout_s, args=(request,), non_block=True)
+
+    def close(self) -> None:
+        """Stop the background thread, if any, after the calls it has (idempotent)."""
+        if self._background is not None:
+            self._background.shutdown(wait=True)
 
 
 # ---- EngineCore side ---------------------------------------------------------------------------
@@ -183,13 +210,13 @@ def disconnect(core: Any) -> None:
     if pool is None or not pool.attached or pool.closed:
         return
     executor = getattr(core, "model_executor", None)
-    if executor is None or getattr(executor, "is_failed", False):
-        # A worker died: no rank can answer. The pool's books close here; each rank's
-        # memory is returned with its process, which the executor's shutdown ends.
-        pool.abandon()
-        return
     space = pool.arena.space.page_space()
     try:
+        if executor is None or getattr(executor, "is_failed", False):
+            # A worker died: no rank can answer. The pool's books close here; each rank's
+            # memory is returned with its process, which the executor's shutdown ends.
+            pool.abandon()
+            return
         pool.close()
         space.channel.call(PageRequest("close"))
     except (KvcachedError, RuntimeError, TimeoutError, AssertionError) as exc:
@@ -198,6 +225,9 @@ def disconnect(core: Any) -> None:
         _logger.warning("kvcached: ranks unreachable at shutdown (%s: %s); closing the pool locally",
                         type(exc).__name__, exc)
         pool.abandon()
+    finally:
+        if isinstance(space.channel, ExecutorChannel):
+            space.channel.close()
 
 
 def wrap_initialize_kv_caches(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -126,10 +126,17 @@ class ArgReader:
 
     Built once at install from the method's signature: each name's position (after
     ``self``), keyword-only flag and default. Raises nothing per call; a missing argument
-    without a default reads as `MISSING`.
+    without a default reads as `MISSING`. `defaulted` answers, in O(1), whether a call
+    passes none of the names (so every one reads as its default): the common case, which
+    the seams answer without reading anything.
     """
 
     slots: tuple[tuple[str, int | None, Any], ...]  # (name, position or None if keyword-only, default)
+    first_position: int  # the lowest position of a name (len(params) if none is positional)
+    names: frozenset[str]
+
+    def defaulted(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        return len(args) <= self.first_position and (not kwargs or self.names.isdisjoint(kwargs))
 
     def read(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         out = []
@@ -161,7 +168,8 @@ def _readable_signature(original: Callable[..., Any], qualname: str, names: tupl
         positional = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
         default = MISSING if p.default is p.empty else p.default
         slots.append((name, params.index(p) if positional else None, default))
-    return ArgReader(tuple(slots))
+    first = min((pos for _, pos, _ in slots if pos is not None), default=len(params))
+    return ArgReader(tuple(slots), first, frozenset(names))
 
 
 def _wrap_get_num_blocks_to_allocate(original: Callable[..., int]) -> Callable[..., int]:
@@ -171,10 +179,10 @@ def _wrap_get_num_blocks_to_allocate(original: Callable[..., int]) -> Callable[.
     @functools.wraps(original)
     def get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> int:
         num_blocks = original(self, *args, **kwargs)
-        pool = _elastic_pool(self)
+        pool = getattr(self, "block_pool", None)
         # Only admission's own checks are demand; the scheduler also asks for estimates
         # (``_request_remaining_blocks``) that must not map anything.
-        if pool is not None and pool.in_admission:
+        if isinstance(pool, ElasticBlockPool) and pool.admitting:
             (new_computed_blocks,) = reader.read(args, kwargs)
             pool.note_demand(num_blocks, new_computed_blocks)
         return num_blocks
@@ -201,20 +209,26 @@ def _partial_prefix_hit(manager: Any, request: Any, num_new_computed_tokens: int
 
 def _wrap_allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
     reader = _readable_signature(original, "KVCacheManager.allocate_slots",
-                                 ("request", "num_new_computed_tokens", "new_computed_blocks", "reserved_blocks"))
+                                 ("num_new_computed_tokens", "new_computed_blocks", "reserved_blocks"))
 
     @functools.wraps(original)
     def allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
-        pool = _elastic_pool(self)
-        if pool is None:
+        pool = getattr(self, "block_pool", None)
+        if not isinstance(pool, ElasticBlockPool):
             return original(self, *args, **kwargs)
-        request, num_new_computed_tokens, new_computed_blocks, reserved_blocks = reader.read(args, kwargs)
-        site = "admission"
-        if _partial_prefix_hit(self, request, num_new_computed_tokens, new_computed_blocks):
-            site = "cow_admission"
-            pool.trigger("partial_prefix_hit")
-        with pool.admission(watermark=self.watermark_blocks, reserved=reserved_blocks, site=site):
+        site, reserved = "admission", 0
+        # A running request's call (no prefix hit, no reservation) passes none of the names.
+        if not reader.defaulted(args, kwargs):
+            num_new_computed_tokens, new_computed_blocks, reserved = reader.read(args, kwargs)
+            request = args[0] if args else kwargs["request"]
+            if _partial_prefix_hit(self, request, num_new_computed_tokens, new_computed_blocks):
+                site = "cow_admission"
+                pool.trigger("partial_prefix_hit")
+        previous = pool.begin_admission(self.watermark_blocks, reserved, site)
+        try:
             return original(self, *args, **kwargs)
+        finally:
+            pool.end_admission(previous)
 
     return allocate_slots
 
