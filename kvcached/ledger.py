@@ -60,6 +60,8 @@ class BlockLedger:
         # _open[h] iff it is mapped, holds h blocks and has a free one.
         self._backed_free = 0
         self._open: list[set[int]] = [set() for _ in range(blocks_per_page)]
+        self._open_heap: list[list[int]] = [[] for _ in range(blocks_per_page)]  # lazy min-heaps of _open
+        self._top = 0  # no bucket above it is non-empty
         pool.watch(self._pages_changed)
         self._pages_changed(sorted(p for p in pool.mapped if p < self.num_pages), ())
         pinned = sorted(set(pinned))
@@ -90,7 +92,7 @@ class BlockLedger:
         for page in mapped:
             if page < self.num_pages and self._free_per_page[page]:
                 self._backed_free += len(self._free_per_page[page])
-                self._open[self._held_per_page[page]].add(page)
+                self._open_add(self._held_per_page[page], page)
         for page in unmapped:
             if page < self.num_pages and self._free_per_page[page]:
                 self._backed_free -= len(self._free_per_page[page])
@@ -109,39 +111,69 @@ class BlockLedger:
                 return
             done, want = want, want * 2
 
-    def _pages_best_first(self) -> Iterator[int]:
-        """Pages with free blocks, best first: mapped before unmapped, fullest first.
+    def _open_add(self, held: int, page: int) -> None:
+        """Page ``page`` (mapped, with a free block) now holds ``held`` blocks."""
+        self._open[held].add(page)
+        if held > self._top:
+            self._top = held
+        heap = self._open_heap[held]
+        heapq.heappush(heap, page)
+        if len(heap) > 2 * len(self._open[held]) + 64:
+            heap[:] = sorted(self._open[held])  # drop the stale entries (amortized)
 
-        Lazy: mapped pages come bucket by bucket (most held first, lowest index first
-        within a bucket), and an unmapped page holds no block (holding maps it), so
-        unmapped pages are equal but for their index and come in ascending order.
-        """
-        for bucket in reversed(self._open):
-            if len(bucket) <= 64:
-                yield from sorted(bucket)
-            else:
-                # Most choices need one page: find the smallest without sorting all.
-                heap = list(bucket)
-                heapq.heapify(heap)
-                while heap:
-                    yield heapq.heappop(heap)
-        yield from self._unmapped_pages()
+    def _choose_in(self, held: int, n: int, among: Collection[int] | None, chosen: list[int]) -> None:
+        """Extend ``chosen`` towards ``n`` blocks from the pages holding ``held`` blocks,
+        lowest page first; O(pages used x log) (the bucket's heap may hold stale entries and
+        duplicates, dropped here; the pages used go back on it)."""
+        heap, members = self._open_heap[held], self._open[held]
+        used: list[int] = []
+        try:
+            while heap and len(chosen) < n:
+                page = heapq.heappop(heap)
+                if page not in members or (used and used[-1] == page):
+                    continue  # stale (left the bucket) or a duplicate (came back to it)
+                used.append(page)
+                free = self._free_per_page[page] if among is None else self._free_per_page[page] & set(among)
+                need = n - len(chosen)
+                if need == 1 and free:
+                    chosen.append(min(free))  # the common case: one block, no sort
+                else:
+                    chosen.extend(sorted(free)[:need])
+        finally:
+            for page in used:
+                heapq.heappush(heap, page)
 
     def page_order(self) -> list[int]:
-        """Pages with free blocks, best first: mapped before unmapped, fullest first."""
-        return list(self._pages_best_first())
+        """Pages with free blocks, best first: mapped pages holding the most blocks first
+        (lowest index on ties), then unmapped pages ascending (tests and debugging)."""
+        mapped = [p for bucket in reversed(self._open) for p in sorted(bucket)]
+        return mapped + list(self._unmapped_pages())
 
     def choose(self, n: int, among: Collection[int] | None = None) -> list[int]:
-        """The ``n`` best free blocks (restricted to ``among`` if given); no state change."""
+        """The ``n`` best free blocks (restricted to ``among`` if given); no state change.
+
+        Best is `page_order`: mapped pages fill up before a new page is mapped, and pages
+        that are nearly empty are left to empty. An unmapped page holds no block (holding
+        maps it), so unmapped pages are equal but for their index.
+        """
         if n < 0:
             raise InvariantError(f"choose({n})")
         chosen: list[int] = []
-        for page in self._pages_best_first():
+        while self._top > 0 and not self._open[self._top]:
+            self._top -= 1  # the fullest bucket emptied since (it only ever rises in `_open_add`)
+        for held in range(self._top, -1, -1):
+            if self._open[held]:
+                self._choose_in(held, n, among, chosen)
+                if len(chosen) == n:
+                    return chosen
+        for page in self._unmapped_pages():
             free = self._free_per_page[page]
             candidates = sorted(free if among is None else free.intersection(among))
             chosen.extend(candidates[: n - len(chosen)])
             if len(chosen) == n:
                 return chosen
+        if len(chosen) == n:
+            return chosen
         raise InvariantError(f"choose({n}): only {len(chosen)} eligible free blocks")
 
     # ---- state changes -------------------------------------------------------------
@@ -156,26 +188,40 @@ class BlockLedger:
     def hold(self, block_ids: Sequence[int], *, wait: bool = False) -> None:
         """Mark free blocks held, mapping the pages they need first (all-or-nothing)."""
         ids = list(block_ids)
-        if len(set(ids)) != len(ids):
+        if len(ids) > 1 and len(set(ids)) != len(ids):
             raise InvariantError(f"hold(): duplicate block ids in {ids}")
+        bpp, held_of, is_held = self.blocks_per_page, self._held_per_page, self._held
+        new_pages: set[int] = set()
         for b in ids:
-            if not 0 <= b < self.num_blocks or self._held[b]:
+            if not 0 <= b < self.num_blocks or is_held[b]:
                 raise InvariantError(f"hold(): block {b} is out of range or already held")
-        new_pages = {self.page_of(b) for b in ids if self._held_per_page[self.page_of(b)] == 0}
-        self.pool.acquire(new_pages, wait=wait)  # raises with nothing changed
+            if held_of[b // bpp] == 0:
+                new_pages.add(b // bpp)
+        if new_pages:
+            self.pool.acquire(new_pages, wait=wait)  # raises with nothing changed
         # Every page of `ids` is mapped now (in use): each block leaves the backed count.
-        for b in ids:
-            page = self.page_of(b)
-            held = self._held_per_page[page]
+        for page, blocks in self._by_page(ids).items():
+            held = held_of[page]
             free = self._free_per_page[page]
             self._open[held].discard(page)
-            self._held[b] = 1
-            self._held_per_page[page] = held + 1
-            free.discard(b)
+            for b in blocks:
+                is_held[b] = 1
+            free.difference_update(blocks)
+            held_of[page] = held + len(blocks)
             if free:
-                self._open[held + 1].add(page)
+                self._open_add(held + len(blocks), page)
         self.num_held += len(ids)
         self._backed_free -= len(ids)
+
+    def _by_page(self, ids: list[int]) -> dict[int, list[int]]:
+        """``ids`` grouped by page, pages in first-seen order (one bucket move per page)."""
+        bpp = self.blocks_per_page
+        if len(ids) == 1:
+            return {ids[0] // bpp: ids}
+        groups: dict[int, list[int]] = {}
+        for b in ids:
+            groups.setdefault(b // bpp, []).append(b)
+        return groups
 
     def release(self, block_ids: Iterable[int]) -> list[int]:
         """Mark held blocks free; pages left with no held block go back to the pool.
@@ -184,28 +230,30 @@ class BlockLedger:
         and the reserve policy let the pool unmap them).
         """
         ids = list(block_ids)
-        if len(set(ids)) != len(ids):
+        if len(ids) > 1 and len(set(ids)) != len(ids):
             raise InvariantError(f"release(): duplicate block ids in {ids}")
+        bpp, held_of, is_held = self.blocks_per_page, self._held_per_page, self._held
         for b in ids:
-            if not 0 <= b < self.num_blocks or not self._held[b]:
+            if not 0 <= b < self.num_blocks or not is_held[b]:
                 raise InvariantError(f"release(): block {b} is out of range or not held")
         emptied: list[int] = []
         # Every page of `ids` is mapped (in use): each block joins the backed count.
-        for b in ids:
-            page = self.page_of(b)
-            held = self._held_per_page[page]
+        for page, blocks in self._by_page(ids).items():
+            held = held_of[page]
             free = self._free_per_page[page]
             if free:
                 self._open[held].discard(page)
-            self._held[b] = 0
-            self._held_per_page[page] = held - 1
-            free.add(b)
-            self._open[held - 1].add(page)
-            if held == 1:
+            for b in blocks:
+                is_held[b] = 0
+            free.update(blocks)
+            held_of[page] = held - len(blocks)
+            self._open_add(held - len(blocks), page)
+            if held == len(blocks):
                 emptied.append(page)
         self.num_held -= len(ids)
         self._backed_free += len(ids)
-        self.pool.release(emptied)
+        if emptied:
+            self.pool.release(emptied)
         return emptied
 
     def ensure_backed(self, n: int) -> int:
@@ -278,3 +326,7 @@ class BlockLedger:
                         and self._held_per_page[p] == held}
             if bucket != expected:
                 raise InvariantError(f"pages open with {held} held blocks: {sorted(bucket)} != {sorted(expected)}")
+            if bucket and held > self._top:
+                raise InvariantError(f"pages open with {held} held blocks above the top bucket {self._top}")
+            if not bucket <= set(self._open_heap[held]):
+                raise InvariantError(f"pages open with {held} held blocks missing from their heap")

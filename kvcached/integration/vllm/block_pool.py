@@ -527,7 +527,8 @@ class ElasticBlockPool(BlockPool):
         is built; they are LIVE forever with ``ref_cnt == 0``. Detected by count (O(1));
         the scan runs only when the counts disagree.
         """
-        expected = self.ledger.num_free + len(self._cached) + len(self._stranded)
+        ledger = self.ledger
+        expected = ledger.num_blocks - ledger.num_held + len(self._cached) + len(self._stranded)
         actual = self.free_block_queue.num_free_blocks
         if actual == expected:
             return
