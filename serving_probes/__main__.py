@@ -1,6 +1,6 @@
 """`python -m serving_probes`: run the GPU probes and write reports/gpu/.
 
-    python -m serving_probes                      # copy, cost, sanitizer, serving
+    python -m serving_probes                      # copy, cost, bandwidth, sanitizer, serving
     python -m serving_probes --only copy,cost     # a subset
     python -m serving_probes --out reports/gpu    # where the report goes (default)
 
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-PROBES = ("copy", "cost", "sanitizer", "serving")
+PROBES = ("copy", "cost", "bandwidth", "sanitizer", "serving")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -34,6 +34,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cost-pages", type=int, default=256, help="pages timed per cost path (default 256)")
     p.add_argument("--cost-rounds", type=int, default=5,
                    help="alternating floor/kvcached rounds after a warm-up round (default 5)")
+    p.add_argument("--bandwidth-gib", type=float, default=40.0,
+                   help="bytes per side of the bandwidth probe, GiB (default 40); its own report goes to "
+                        "<out>/bandwidth/")
     p.add_argument("--no-report", action="store_true", help="print results only (used under the sanitizer)")
     p.add_argument("--no-pressure", action="store_true",
                    help="skip the device-filling phase of the copy cases (used under the sanitizer, where "
@@ -130,6 +133,20 @@ def main(argv: list[str] | None = None) -> int:
         results["floor_calls"] = breakdown = cost.floor_calls
         for row in [*results["cost"], *breakdown]:  # type: ignore[misc]
             print(f"cost {row}", flush=True)
+
+    if "bandwidth" in args.only:
+        from serving_probes.bandwidth import run as run_bandwidth
+        from serving_probes.bandwidth import write_outputs
+
+        bandwidth = run_bandwidth(args.device, args.bandwidth_gib, argv=[f"--gib={args.bandwidth_gib}"])
+        failed |= not bandwidth["passed"]
+        results["bandwidth"] = bw_rows = bandwidth.get("bandwidth_table", [])
+        results["bandwidth_decode"] = decode_rows = bandwidth.get("decode_table", [])
+        for bw_row in [*bw_rows, *bandwidth.get("bandwidth_checks", []), *decode_rows]:
+            print(f"bandwidth {bw_row}", flush=True)
+        print(f"bandwidth: {'PASS' if bandwidth['passed'] else 'FAIL'} errors={bandwidth['errors']}", flush=True)
+        if not args.no_report:
+            print(f"bandwidth report: {write_outputs(bandwidth, Path(args.out) / 'bandwidth')}", flush=True)
 
     if "sanitizer" in args.only:
         from serving_probes.sanitizer import find_tool, run_all

@@ -118,3 +118,53 @@ def test_the_serving_archetype_is_left_out_without_cuda(capsys: pytest.CaptureFi
     out, err = capsys.readouterr()
     assert "qwen3_5" not in out and "archetype qwen3_5 left out" in err
     assert any(line.startswith("qwen3_next-") for line in out.splitlines())
+
+
+TINY_GIB = 16 / 1024  # 16 MiB per side: 8 pages, 512 blocks
+
+
+def test_bandwidth_probe_cpu_path_checks_pass() -> None:
+    from serving_probes import bandwidth
+
+    r = bandwidth.measure_bandwidth("cpu", TINY_GIB, rounds=2, reps=1, sequences=8)
+    assert (r.pages, r.num_blocks, r.sequences) == (8, 512, 8)
+    assert r.data_identical and r.results_identical and r.control_differs and r.memory_returned
+    assert [row.kernel.split(" (")[0] for row in r.rows] == ["paged gather-reduce", "contiguous sum"]
+    assert all(row.kvcached_gbps > 0 and row.torch_gbps > 0 for row in r.rows)
+    assert bandwidth.verdict([1.0, 0.98, 0.995]) == "met"
+    assert bandwidth.verdict([0.98, 0.97, 0.995]) == "inconclusive"
+    assert bandwidth.verdict([0.98, 0.97, 0.985]) == "missed"
+
+
+def test_bandwidth_probe_comparison_detects_a_difference(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Negative control: one element of the torch copy changed must fail both comparisons.
+    import torch
+
+    from serving_probes import bandwidth
+
+    real = bandwidth.fill_same
+
+    def off_by_one(kv: torch.Tensor, ref: torch.Tensor, seed: int) -> None:
+        real(kv, ref, seed)
+        ref[0] += 1
+
+    monkeypatch.setattr(bandwidth, "fill_same", off_by_one)
+    r = bandwidth.measure_bandwidth("cpu", TINY_GIB, rounds=1, reps=1, sequences=8)
+    assert not r.data_identical and not r.results_identical and not r.passed
+
+
+def test_bandwidth_decode_loop_counts_driver_maps_per_policy(tmp_path: Path) -> None:
+    from serving_probes import bandwidth
+    from serving_probes.__main__ import PROBES
+
+    assert "bandwidth" in PROBES
+    rows = {r.policy.split(" ")[0]: r for r in bandwidth.measure_decode("cpu", steps=48, steps_per_page=16)}
+    assert all(r.pages_taken == 3 and r.tokens_verified for r in rows.values())
+    assert (rows["no"].driver_maps, rows["no"].taken_page_maps) == (3, 3)
+    assert (rows["reserve"].driver_maps, rows["reserve"].taken_page_maps) == (3, 0)  # refills, not the take
+    assert rows["every"].driver_maps == 0
+    results = bandwidth.run("cpu", TINY_GIB, rounds=1, reps=1, steps=32)
+    assert results["passed"] and results["errors"] == {}
+    md = bandwidth.write_outputs(results, tmp_path).read_text()
+    assert "## Kernel bandwidth" in md and "## Map cost in a decode loop (one page every 16 steps)" in md
+    assert json.loads((tmp_path / "results.json").read_text())["bandwidth"]["results_identical"]
