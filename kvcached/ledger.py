@@ -114,8 +114,7 @@ class BlockLedger:
     def _open_add(self, held: int, page: int) -> None:
         """Page ``page`` (mapped, with a free block) now holds ``held`` blocks."""
         self._open[held].add(page)
-        if held > self._top:
-            self._top = held
+        self._top = max(self._top, held)
         heap = self._open_heap[held]
         heapq.heappush(heap, page)
         if len(heap) > 2 * len(self._open[held]) + 64:
@@ -232,7 +231,7 @@ class BlockLedger:
         ids = list(block_ids)
         if len(ids) > 1 and len(set(ids)) != len(ids):
             raise InvariantError(f"release(): duplicate block ids in {ids}")
-        bpp, held_of, is_held = self.blocks_per_page, self._held_per_page, self._held
+        held_of, is_held = self._held_per_page, self._held
         for b in ids:
             if not 0 <= b < self.num_blocks or not is_held[b]:
                 raise InvariantError(f"release(): block {b} is out of range or not held")

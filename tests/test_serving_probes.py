@@ -164,7 +164,10 @@ def test_bandwidth_decode_loop_counts_driver_maps_per_policy(tmp_path: Path) -> 
     assert (rows["reserve"].driver_maps, rows["reserve"].taken_page_maps) == (3, 0)  # refills, not the take
     assert rows["every"].driver_maps == 0
     results = bandwidth.run("cpu", TINY_GIB, rounds=1, reps=1, steps=32)
-    assert results["passed"] and results["errors"] == {}
+    # Correctness only: the verdict (part of "passed") is timing, which no test depends on.
+    assert results["errors"] == {}
+    bw = results["bandwidth"]
+    assert bw["data_identical"] and bw["results_identical"] and bw["control_differs"]
     md = bandwidth.write_outputs(results, tmp_path).read_text()
     assert "## Kernel bandwidth" in md and "## Map cost in a decode loop (one page every 16 steps)" in md
     assert json.loads((tmp_path / "results.json").read_text())["bandwidth"]["results_identical"]
