@@ -9,9 +9,10 @@ same set of block ids in every layer.
 
 * pages handed to the ledger are *in use*; idle mapped pages form the *reserve*;
   invariant: ``mapped == in_use | reserve`` and ``in_use & reserve == {}``;
-* the reserve is refilled up to ``min_reserve_pages`` after a take, and trimmed down to
-  ``max_reserve_pages`` by `collect`, but only pages whose fence ticket has passed are
-  unmapped (a step still in flight may touch them);
+* the reserve is refilled after a take up to the *pace* (pages taken per step lately,
+  decaying by one a step), at least ``min_reserve_pages`` and at most
+  ``max_reserve_pages``, and trimmed down to ``max_reserve_pages`` by `collect`, but only
+  pages whose fence ticket has passed are unmapped (a step still in flight may touch them);
 * a batch map is all-or-nothing: a failure in the middle unmaps what the batch mapped;
 * the physical-capacity query is cached for ``capacity_ttl_s`` and invalidated by this
   pool's own map/unmap, so only other processes' changes can be stale;
@@ -197,6 +198,11 @@ class PagePool:
         self._capacity: tuple[float, int] | None = None  # (time, kv pages) cache
         self._maps = self._unmaps = self._failures = 0
         self._takes = self._hits = self._blocking = 0
+        # The reserve's pace: pages taken per step lately (`collect` ends a step). Refills
+        # keep that many pages ahead, between the min and max watermarks, so a step whose
+        # demand is several pages still finds them mapped.
+        self._taken_this_step = 0
+        self.pace = 0
         self._peak = 0
         #: Bumped whenever the mapped set (``in_use | reserve``) changes: callers may cache
         #: anything derived from it until it moves.
@@ -412,6 +418,7 @@ class PagePool:
             missing = [p for p in wanted if p not in self.reserve]
             self._map_with_retry(missing, wait)
             blocked = len(waited.union(missing))
+            self._taken_this_step += len(wanted)
             self._takes += len(wanted)
             self._hits += len(wanted) - blocked
             self._blocking += blocked
@@ -475,6 +482,9 @@ class PagePool:
         """Unmap reserve pages above ``keep`` (default max_reserve_pages) whose ticket passed."""
         with self._lock:
             self._confirm(wait=False)  # a refill in flight is never unmapped here
+            if keep is None:  # the end of a step: its takes set the pace (decaying by one a step)
+                self.pace = max(self._taken_this_step, self.pace - 1)
+                self._taken_this_step = 0
             keep = self.config.max_reserve_pages if keep is None else keep
             excess = len(self.reserve) - keep
             if excess <= 0:
@@ -498,8 +508,12 @@ class PagePool:
             self.in_use.clear()
             self._unmap(sorted(self.reserve))
 
+    def reserve_target(self) -> int:
+        """Pages the reserve refills to: the pace, within the watermarks."""
+        return min(self.config.max_reserve_pages, max(self.config.min_reserve_pages, self.pace))
+
     def _top_up(self) -> None:
-        need = self.config.min_reserve_pages - len(self.reserve) - len(self.pending)
+        need = self.reserve_target() - len(self.reserve) - len(self.pending)
         if need <= 0:
             return
         candidates = self.lowest_unmapped(need, skip_pending=True)

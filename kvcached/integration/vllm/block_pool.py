@@ -252,6 +252,9 @@ class ElasticBlockPool(BlockPool):
         ``new_computed_blocks`` are the prefix hits the admission will touch; reclaim
         never evicts them.
         """
+        if not num_blocks and not any(new_computed_blocks):
+            self._demand = _NO_DEMAND  # a decode step inside a block: every request, every step
+            return
         protected = frozenset(
             b.block_id for group in new_computed_blocks for b in group if b.ref_cnt == 0 and not b.is_null
         )

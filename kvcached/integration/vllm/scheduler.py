@@ -176,6 +176,8 @@ def _wrap_get_num_blocks_to_allocate(original: Callable[..., int]) -> Callable[.
     reader = _readable_signature(original, "KVCacheCoordinator.get_num_blocks_to_allocate",
                                  ("new_computed_blocks",))
 
+    ((name, position, default),) = reader.slots
+
     @functools.wraps(original)
     def get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> int:
         num_blocks = original(self, *args, **kwargs)
@@ -183,7 +185,10 @@ def _wrap_get_num_blocks_to_allocate(original: Callable[..., int]) -> Callable[.
         # Only admission's own checks are demand; the scheduler also asks for estimates
         # (``_request_remaining_blocks``) that must not map anything.
         if isinstance(pool, ElasticBlockPool) and pool.admitting:
-            (new_computed_blocks,) = reader.read(args, kwargs)
+            if position is not None and position < len(args):
+                new_computed_blocks = args[position]
+            else:
+                new_computed_blocks = kwargs.get(name, default)
             pool.note_demand(num_blocks, new_computed_blocks)
         return num_blocks
 
@@ -210,6 +215,7 @@ def _partial_prefix_hit(manager: Any, request: Any, num_new_computed_tokens: int
 def _wrap_allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
     reader = _readable_signature(original, "KVCacheManager.allocate_slots",
                                  ("num_new_computed_tokens", "new_computed_blocks", "reserved_blocks"))
+    first, names = reader.first_position, reader.names  # `ArgReader.defaulted`, inlined
 
     @functools.wraps(original)
     def allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -218,7 +224,7 @@ def _wrap_allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, *args, **kwargs)
         site, reserved = "admission", 0
         # A running request's call (no prefix hit, no reservation) passes none of the names.
-        if not reader.defaulted(args, kwargs):
+        if len(args) > first or (kwargs and not names.isdisjoint(kwargs)):
             num_new_computed_tokens, new_computed_blocks, reserved = reader.read(args, kwargs)
             request = args[0] if args else kwargs["request"]
             if _partial_prefix_hit(self, request, num_new_computed_tokens, new_computed_blocks):
