@@ -56,9 +56,9 @@ class BlockLedger:
         ]
         self.num_held = 0
         self._admission_misses = 0
-        # Invariants (`check`): _backed_free == free blocks on mapped pages; a page is in
+        # Invariants (`check`): backed_free == free blocks on mapped pages (read-only outside); a page is in
         # _open[h] iff it is mapped, holds h blocks and has a free one.
-        self._backed_free = 0
+        self.backed_free = 0
         self._open: list[set[int]] = [set() for _ in range(blocks_per_page)]
         self._open_heap: list[list[int]] = [[] for _ in range(blocks_per_page)]  # lazy min-heaps of _open
         self._top = 0  # no bucket above it is non-empty
@@ -84,18 +84,19 @@ class BlockLedger:
 
     def backed_free_count(self) -> int:
         """Free blocks that sit on mapped pages (usable without a driver call). O(1)."""
-        self.pool.settle()  # refills whose replies are in join first (the watcher counts them)
-        return self._backed_free
+        if self.pool.pending:  # only this thread changes it
+            self.pool.settle()  # refills whose replies are in join first (the watcher counts them)
+        return self.backed_free
 
     def _pages_changed(self, mapped: Sequence[int], unmapped: Sequence[int]) -> None:
         """The pool's watcher: keep the backed count and the open buckets."""
         for page in mapped:
             if page < self.num_pages and self._free_per_page[page]:
-                self._backed_free += len(self._free_per_page[page])
+                self.backed_free += len(self._free_per_page[page])
                 self._open_add(self._held_per_page[page], page)
         for page in unmapped:
             if page < self.num_pages and self._free_per_page[page]:
-                self._backed_free -= len(self._free_per_page[page])
+                self.backed_free -= len(self._free_per_page[page])
                 self._open[self._held_per_page[page]].discard(page)
 
     def _unmapped_pages(self) -> Iterator[int]:
@@ -210,7 +211,7 @@ class BlockLedger:
             if free:
                 self._open_add(held + len(blocks), page)
         self.num_held += len(ids)
-        self._backed_free -= len(ids)
+        self.backed_free -= len(ids)
 
     def _by_page(self, ids: list[int]) -> dict[int, list[int]]:
         """``ids`` grouped by page, pages in first-seen order (one bucket move per page)."""
@@ -250,7 +251,7 @@ class BlockLedger:
             if held == len(blocks):
                 emptied.append(page)
         self.num_held -= len(ids)
-        self._backed_free += len(ids)
+        self.backed_free += len(ids)
         if emptied:
             self.pool.release(emptied)
         return emptied
@@ -318,8 +319,8 @@ class BlockLedger:
                 raise InvariantError(f"page {page}: held={page_held} but in_use={page in self.pool.in_use}")
         mapped = self.pool.mapped
         backed = sum(len(self._free_per_page[p]) for p in mapped if p < self.num_pages)
-        if backed != self._backed_free:
-            raise InvariantError(f"backed free count {self._backed_free} != {backed}")
+        if backed != self.backed_free:
+            raise InvariantError(f"backed free count {self.backed_free} != {backed}")
         for held, bucket in enumerate(self._open):
             expected = {p for p in mapped if p < self.num_pages and self._free_per_page[p]
                         and self._held_per_page[p] == held}

@@ -376,6 +376,8 @@ class PagePool:
             self._failures += 1
             return True  # refused on purpose: as if the ranks had refused it
         confirmation = later(pages)
+        if confirmation.done():
+            self._blocking += len(pages)  # it ran inline, on the caller's path (in-process worker)
         self._capacity = None
         for page in pages:
             self.pending[page] = confirmation

@@ -39,6 +39,9 @@ from kvcached.faults import FaultInjector, rank_map_site
 from kvcached.pages import PageSpace
 from kvcached.space import Geometry
 
+#: How long a rank reuses its measured free physical memory (moved by its own maps).
+AVAILABLE_TTL_S = 0.05
+
 Op = Literal["map", "unmap", "capacity", "close"]
 #: A refusal's kind, as the worker reports it.
 Refusal = Literal["", "exhausted", "driver"]
@@ -91,25 +94,43 @@ class RankPages:
         self.mapped: set[int] = set(premapped)
         self.faults = faults  # site rank<N>_map: this rank refuses a map request on purpose
         self._lock = threading.Lock()
+        self._measured: tuple[float, int] | None = None  # (when, bytes): see `_available`
 
     def layout(self) -> RankLayout:
-        return RankLayout(self.rank, self.geometry.to_dict(), tuple(sorted(self.mapped)), self._available())
+        return RankLayout(self.rank, self.geometry.to_dict(), tuple(sorted(self.mapped)), self._available(fresh=True))
 
-    def _available(self) -> int:
-        return int(self.space.physical_available())
+    def _available(self, fresh: bool = False) -> int:
+        """Physical bytes this rank could still map, for every reply.
+
+        Measured at most every `AVAILABLE_TTL_S` (on CPU it reads /proc/meminfo: tens of µs,
+        which every refill would pay) and moved by this rank's own maps and unmaps in
+        between, so only other processes' changes can be that stale; a capacity request
+        always measures.
+        """
+        now = time.monotonic()
+        if fresh or self._measured is None or now - self._measured[0] >= AVAILABLE_TTL_S:
+            self._measured = (now, int(self.space.physical_available()))
+        return self._measured[1]
+
+    def _moved(self, pages: int) -> None:
+        """This rank mapped (``pages`` > 0) or unmapped kv pages: move the measured bytes."""
+        if self._measured is not None:
+            when, available = self._measured
+            self._measured = (when, max(0, available - pages * self.space.kv_page_bytes))
 
     def handle(self, request: PageRequest) -> RankReply:
         """Apply ``request`` on this rank; report, never raise, a refused or failed operation."""
         with self._lock:
+            fresh = request.op == "capacity"
             if not request.applies_to(self.rank):
-                return RankReply(self.rank, True, available_bytes=self._available())
+                return RankReply(self.rank, True, available_bytes=self._available(fresh))
             try:
                 self._apply(request)
             except PhysicalMemoryExhausted as e:
-                return RankReply(self.rank, False, "exhausted", f"{type(e).__name__}: {e}", self._available())
+                return RankReply(self.rank, False, "exhausted", f"{type(e).__name__}: {e}", self._available(True))
             except KvcachedError as e:
-                return RankReply(self.rank, False, "driver", f"{type(e).__name__}: {e}", self._available())
-            return RankReply(self.rank, True, available_bytes=self._available())
+                return RankReply(self.rank, False, "driver", f"{type(e).__name__}: {e}", self._available(True))
+            return RankReply(self.rank, True, available_bytes=self._available(fresh))
 
     def _apply(self, request: PageRequest) -> None:
         pages = list(request.pages)
@@ -120,11 +141,13 @@ class RankPages:
                 self.faults.check(rank_map_site(self.rank))  # before anything is mapped
             self.space.map_pages(pages)  # all-or-nothing on this rank
             self.mapped.update(pages)
+            self._moved(len(pages))
         elif request.op == "unmap":
             if stray := sorted(set(pages) - self.mapped):
                 raise InvariantError(f"rank {self.rank}: kv pages {stray} are not mapped")
             self.space.unmap_pages(pages)
             self.mapped.difference_update(pages)
+            self._moved(-len(pages))
         elif request.op == "close":
             self.close()
         elif request.op != "capacity":

@@ -146,6 +146,11 @@ def test_config_validation_names_the_variable():
         enabled_from_env({"KVCACHED_ENABLE": "maybe"})
     with pytest.raises(ConfigError, match="disagree"):
         enabled_from_env({"KVCACHED_ENABLE": "1", "ENABLE_KVCACHED": "false"})
+    assert KvcachedConfig.resolve(env={}).background_refill == "auto"
+    assert KvcachedConfig.resolve(env={"KVCACHED_BACKGROUND_REFILL": " On "}).background_refill == "on"
+    for bad in ("", "yes", "1"):
+        with pytest.raises(ConfigError, match=r"KVCACHED_BACKGROUND_REFILL.*auto, on, off"):
+            KvcachedConfig.resolve(env={"KVCACHED_BACKGROUND_REFILL": bad})
 
 
 def test_fault_plan_file_is_driven_from_another_process(tmp_path: Path):

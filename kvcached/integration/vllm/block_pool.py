@@ -197,6 +197,9 @@ class ElasticBlockPool(BlockPool):
         self._stranded: set[int] = set()
         self._demand: _Demand | None = None
         self._admission: _Admission | None = None
+        #: Allocation block size of each KV cache group when every group is full attention
+        #: (set by the engine seam at attach), else empty: see `covers_running`.
+        self.running_block_sizes: tuple[int, ...] = ()
         #: Whether an ``allocate_slots`` call is in progress (`begin_admission`): only its
         #: own checks are demand. An attribute, not a property: read for every request.
         self.admitting = False
@@ -246,6 +249,30 @@ class ElasticBlockPool(BlockPool):
         return self.arena is not None
 
     # ---- admission (driven by the scheduler seam) ------------------------------------
+    def admit_running(self, num_tokens: int) -> bool:
+        """Admission of a running request's ``num_tokens`` new tokens (lookahead included)
+        without admission work, if the blocks it can ask for already sit on mapped pages:
+        then the next free count is the native one, so vLLM decides exactly as native and
+        whatever it allocates is backed. False (nothing changed) otherwise.
+
+        Full attention needs at most ``ceil(n / block_size) + 1`` new blocks per group for
+        ``n`` new tokens (the +1 covers an optimistic async boundary). Only set up
+        (`running_block_sizes`) when every group is full attention, and off while faults
+        are injected (a fault site counts admission checks; skipping some would shift them).
+        The marker is consumed by the free count vLLM asks for next in ``allocate_slots``
+        (nothing else asks for one without noting a demand first).
+        """
+        sizes = self.running_block_sizes
+        if not sizes or self.faults is not None:
+            return False
+        bound = 0
+        for size in sizes:
+            bound += num_tokens // size + 2
+        if self.ledger.backed_free < bound:
+            return False
+        self._demand = _NO_DEMAND
+        return True
+
     def note_demand(self, num_blocks: int, new_computed_blocks: Iterable[Sequence[KVCacheBlock]] = ()) -> None:
         """Record what the next `get_num_free_blocks` call is asked to cover.
 
@@ -300,11 +327,13 @@ class ElasticBlockPool(BlockPool):
     def get_num_free_blocks(self) -> int:
         """Free blocks `get_new_blocks` can hand out now without mapping; <= the native count."""
         native = self.free_block_queue.num_free_blocks
-        if self._logical_view:
+        demand = self._demand
+        if demand is _NO_DEMAND or self._logical_view:
+            # Nothing it allocates needs a map (or it allocates nothing): the native count
+            # gives the native answer.
+            self._demand = None
             return native
-        demand, self._demand = self._demand, None
-        if demand is _NO_DEMAND:
-            return native  # allocates and touches nothing: the native count gives the native answer
+        self._demand = None
         self._adopt_external_pops()
         if demand is not None:
             return self._admit(native, demand)

@@ -103,23 +103,33 @@ def runs_inline(executor: Any) -> bool:
     return isinstance(executor, UniProcExecutor)
 
 
+def refills_in_background(setting: str, executor: Any, device_type: str) -> bool:
+    """``KVCACHED_BACKGROUND_REFILL``: ``on``/``off``, or ``auto``: an in-process worker on
+    CUDA (a refill's driver calls cost far more there than a thread handoff; on CPU an
+    mmap costs less than handing the work to a thread under the GIL, so it runs inline and
+    is counted as a blocking map)."""
+    if setting != "auto":
+        return setting == "on" and runs_inline(executor)
+    return runs_inline(executor) and device_type == "cuda"
+
+
 class ExecutorChannel:
     """`kvcached.ranks.PageChannel` over a vLLM executor's ``collective_rpc``.
 
-    ``call_later`` must not cost the caller the call. A multiprocess executor sends it over
-    its queues and returns a future. An in-process one (``UniProcExecutor``: every TP=1
-    engine on a GPU) would run it inline, so a refill sent ahead of demand would put its
-    driver calls on the scheduler's step; there it runs on one background thread instead.
-    That is safe because a refill's pages are never handed out, touched or unmapped until
-    the pool has its reply, the rank serializes the requests it applies
-    (`kvcached.ranks.RankPages`), and the backends release the GIL and lock their ranges.
+    ``call_later`` should not cost the caller the call. A multiprocess executor sends it
+    over its queues and returns a future. An in-process one (``UniProcExecutor``: every
+    TP=1 engine on a GPU) runs it inline; with ``background`` it runs on one thread of the
+    channel's own instead (see `refills_in_background`). That is safe because a refill's
+    pages are never handed out, touched or unmapped until the pool has its reply, the rank
+    serializes the requests it applies (`kvcached.ranks.RankPages`), and the backends
+    release the GIL and lock their ranges.
     """
 
-    def __init__(self, executor: Any, timeout_s: float = RPC_TIMEOUT_S) -> None:
+    def __init__(self, executor: Any, timeout_s: float = RPC_TIMEOUT_S, *, background: bool = False) -> None:
         self.executor = executor
         self.timeout_s = timeout_s
         self._background = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcached-refill")
-                            if runs_inline(executor) else None)
+                            if background else None)
 
     def call(self, request: PageRequest) -> list[RankReply]:
         return list(self.executor.collective_rpc(rank_request, timeout=self.timeout_s, args=(request,)))
@@ -179,14 +189,18 @@ def prepare(core: Any, kv_cache_config: Any) -> None:
     if len(configs) != 1:
         raise IntegrationError(f"ranks resolved different kvcached configs: {sorted(configs)}")
     config = KvcachedConfig(**replies[0][1])
-    pages = RankedPageSpace(geometry, ExecutorChannel(executor), len(replies), config.capacity_ttl_s)
+    device_type = str(getattr(core.vllm_config.device_config, "device_type", ""))
+    background = refills_in_background(config.background_refill, executor, device_type)
+    channel = ExecutorChannel(executor, background=background)
+    pages = RankedPageSpace(geometry, channel, len(replies), config.capacity_ttl_s)
     pages.note_available([RankReply(i, True, available_bytes=available) for i in range(len(replies))])
     setattr(kv_cache_config, SPACE_ATTRIBUTE, KvSpace(geometry, premapped=premapped, config=config, pages=pages))
     _logger.info(
         "kvcached: elastic KV cache active on %d rank(s) (%s): %d kv pages of %d bytes, %d blocks, "
-        "VMM page %d bytes, reserve %d-%d pages", len(replies), type(executor).__name__, geometry.num_kv_pages,
-        pages.kv_page_bytes, geometry.num_blocks, geometry.page_size, config.min_reserve_pages,
-        config.max_reserve_pages)
+        "VMM page %d bytes, reserve %d-%d pages, refills %s", len(replies), type(executor).__name__,
+        geometry.num_kv_pages, pages.kv_page_bytes, geometry.num_blocks, geometry.page_size, config.min_reserve_pages,
+        config.max_reserve_pages, "on a background thread" if background else
+        ("inline" if runs_inline(executor) else "through the executor's queues"))
 
 
 def attach(scheduler: Any) -> None:
@@ -202,6 +216,19 @@ def attach(scheduler: Any) -> None:
         raise IntegrationError(f"ranks reserved {space.geometry.num_blocks} KV blocks but the scheduler has "
                                f"{pool.num_gpu_blocks}: the two sides disagree on the KV geometry")
     pool.attach(space)
+    pool.running_block_sizes = full_attention_block_sizes(scheduler.kv_cache_manager)
+
+
+def full_attention_block_sizes(manager: Any) -> tuple[int, ...]:
+    """Each group's block size if every group is plain full attention, else ``()``: the
+    condition under which a running request's demand is bounded by its new tokens
+    (`ElasticBlockPool.covers_running`)."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    managers = getattr(getattr(manager, "coordinator", None), "single_type_managers", ())
+    if not managers or any(type(m) is not FullAttentionManager for m in managers):
+        return ()
+    return tuple(int(m.block_size) for m in managers)
 
 
 def disconnect(core: Any) -> None:

@@ -216,6 +216,9 @@ def _wrap_allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
     reader = _readable_signature(original, "KVCacheManager.allocate_slots",
                                  ("num_new_computed_tokens", "new_computed_blocks", "reserved_blocks"))
     first, names = reader.first_position, reader.names  # `ArgReader.defaulted`, inlined
+    from vllm.v1.request import RequestStatus
+
+    running = RequestStatus.RUNNING
 
     @functools.wraps(original)
     def allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -224,7 +227,14 @@ def _wrap_allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, *args, **kwargs)
         site, reserved = "admission", 0
         # A running request's call (no prefix hit, no reservation) passes none of the names.
-        if len(args) > first or (kwargs and not names.isdisjoint(kwargs)):
+        if len(args) <= first and (not kwargs or names.isdisjoint(kwargs)):
+            request = args[0] if args else kwargs["request"]
+            # No watermark applies to a running request (vLLM: waiting and preempted only).
+            if request.status is running:
+                num_new_tokens = args[1] if len(args) > 1 else kwargs["num_new_tokens"]
+                if pool.admit_running(num_new_tokens + kwargs.get("num_lookahead_tokens", 0)):
+                    return original(self, *args, **kwargs)  # mapped already: nothing to admit
+        else:
             num_new_computed_tokens, new_computed_blocks, reserved = reader.read(args, kwargs)
             request = args[0] if args else kwargs["request"]
             if _partial_prefix_hit(self, request, num_new_computed_tokens, new_computed_blocks):
