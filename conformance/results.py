@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from conformance.geometry import Geometry
 
 #: Bumped whenever a field changes meaning, appears or disappears.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 Side = Literal["reference", "candidate", "control"]
 EngineKind = Literal["native", "kvcached"]
@@ -181,6 +181,9 @@ class PoolFacts(_Strict):
     unmaps: int
     map_failures: int
     admission_misses: int
+    page_takes: int
+    reserve_hits: int
+    blocking_maps: int
 
 
 class CopyFacts(_Strict):

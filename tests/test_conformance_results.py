@@ -126,3 +126,15 @@ def test_schedule_stage_alone() -> None:
     assert schedule_parity(a, _result([], probe=probe([[(0, 3)], [(0, 1)]]))).same
     other = schedule_parity(a, _result([], probe=probe([[(0, 3)], [(0, 1), (1, 2)]])))
     assert not other.same and other.divergence_step == 1
+
+
+def test_pool_facts_carry_every_field_of_kvcached_pool_stats() -> None:
+    """The engine process records `kvcached.stats()` with `dataclasses.asdict`; a field the
+    result model lacks is refused at run time (strict model), one it has extra can never be
+    filled. Both sides must name the same fields."""
+    import dataclasses
+
+    import kvcached
+    from conformance.results import PoolFacts
+
+    assert set(PoolFacts.model_fields) == {f.name for f in dataclasses.fields(kvcached.PoolStats)}
