@@ -119,12 +119,23 @@ def sanitize(session: nox.Session) -> None:
     _run(session, python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests_, env=env)
 
 
+BENCHMARKS = ("cpu_map", "rank_rpcs", "pool_ops", "scheduler", "elasticity", "serving")
+
+
 @nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
-    """CPU map/unmap cost against the raw mmap floor; blocking rank round trips per 100 steps."""
+    """Every benchmark, kvcached against native, results in reports/bench/ (about 60 minutes).
+
+    ``nox -s bench -- scheduler serving`` runs a subset (names: see ``BENCHMARKS``). Run it on
+    a quiet machine: each benchmark alternates the sides and prints its own verdicts.
+    """
     python = _shared_env(session)
-    _run(session, python, "benchmarks/bench_cpu_map.py", *session.posargs)
-    _run(session, python, "benchmarks/bench_rank_rpcs.py")
+    chosen = session.posargs or list(BENCHMARKS)
+    unknown = sorted(set(chosen) - set(BENCHMARKS))
+    if unknown:
+        session.error(f"unknown benchmark(s) {unknown}; choose from {', '.join(BENCHMARKS)}")
+    for name in chosen:
+        _run(session, python, f"benchmarks/bench_{name}.py")
 
 
 @nox.session(venv_backend="none")

