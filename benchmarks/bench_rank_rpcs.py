@@ -78,7 +78,18 @@ def _summary(steps: list[Any]) -> dict[str, object]:
     def per_100(group: list[int]) -> float:
         return round(100.0 * sum(group) / max(1, len(group)), 2)
 
+    def hit_rate(indices: list[int]) -> dict[str, float | int]:
+        """Pages taken in these steps, and the share the reserve had mapped already."""
+        takes = hits = 0
+        for i in indices:
+            prev = steps[i - 1] if i else None
+            takes += steps[i].page_takes - (prev.page_takes if prev else 0)
+            hits += steps[i].reserve_hits - (prev.reserve_hits if prev else 0)
+        return {"page_takes": takes, "reserve_hits": hits, "rate": round(hits / takes, 4) if takes else 1.0}
+
+    steady_idx = [i for i in range(len(steps)) if i > last_ramp and steps[i].scheduled_tokens]
     return {
+        "reserve_steady": hit_rate(steady_idx), "reserve_all": hit_rate(list(range(len(steps)))),
         "steps": len(steps), "ramp_steps": len(ramp), "steady_steps": len(steady),
         "round_trips_total": sum(deltas),
         "round_trips_per_100_steps": per_100(deltas),
@@ -110,6 +121,10 @@ def main() -> int:
     row = (f"| {result['steps']} ({result['ramp_steps']} ramp, {result['steady_steps']} steady) | "
            f"{result['round_trips_per_100_steps']} | {result['ramp_round_trips_per_100_steps']} | "
            f"{result['steady_round_trips_per_100_steps']} | 0: {'met' if result['met'] else 'missed'} |")
+    steady, whole = result["reserve_steady"], result["reserve_all"]
+    hits = (f"| {steady['reserve_hits']}/{steady['page_takes']} = {steady['rate']:.2%} | "
+            f"{whole['reserve_hits']}/{whole['page_takes']} = {whole['rate']:.2%} | >= 99% (steady): "
+            f"{'met' if steady['rate'] >= 0.99 else 'missed'} |")
     note = ("Counted in the EngineCore from `kvcached.stats()` (`rank_round_trips`: requests the scheduler "
             "waited for, a refill sent ahead but not yet answered when needed included) after every step. "
             "Ramp: every step up to the last that schedules more tokens than requests (prefill); steady: the "
@@ -119,10 +134,14 @@ def main() -> int:
         f"`{result['command']}` on {result['date']} ({result['versions']}), {result['layout']}.", "",
         "| steps | all | ramp (admissions, frees) | steady decode | target (steady) |", "|---|---|---|---|---|",
         row, "", note, "",
+        ("Reserve hit rate: kv pages taken that were mapped already (no map, no wait on the scheduler's "
+         "path), from `kvcached.stats()` (`page_takes`, `reserve_hits`) after every step. A prefill's pages "
+         "are mapped when it is admitted (the ramp's round trips above), so its takes hit too."), "",
+        "| steady decode | whole run | target |", "|---|---|---|", hits, "",
     ]
     (args.out / "rank_rpcs.md").write_text("\n".join(lines))
     print("\n".join(lines))
-    return 0 if result["met"] else 1
+    return 0 if result["met"] and steady["rate"] >= 0.99 else 1
 
 
 if __name__ == "__main__":

@@ -148,6 +148,8 @@ class StepRecord(_Strict):
     preempted: int
     mapped_bytes: int
     rank_round_trips: int
+    page_takes: int  # cumulative, like rank_round_trips (kvcached.PoolStats; 0 for native)
+    reserve_hits: int
 
 
 class ProbeRecord(_Strict):

@@ -23,7 +23,10 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from conformance.engine.probes import PoolSample
 
 ENV = "CONFORMANCE_AGENT"
 WORKER_EXTENSION = "conformance.engine.agent.WorkerAgent"
@@ -90,18 +93,21 @@ def _kvcached_pools(core: Any) -> dict[str, Any]:
     }
 
 
-def _mapped_bytes_sampler(native_bytes: int | None) -> Callable[[], tuple[int, int]]:
-    """(physical KV bytes, kvcached's blocking rank round trips so far) after each step."""
-    if native_bytes is not None:
-        return lambda: (native_bytes, 0)
+def _mapped_bytes_sampler(native_bytes: int | None) -> Callable[[], PoolSample]:
+    """The engine's physical KV side after each step (`probes.PoolSample`)."""
+    from conformance.engine.probes import PoolSample
 
-    def kvcached_mapped() -> tuple[int, int]:
+    if native_bytes is not None:
+        return lambda: PoolSample(native_bytes)
+
+    def kvcached_pools() -> PoolSample:
         import kvcached
 
         pools = kvcached.stats().values()
-        return sum(p.mapped_bytes for p in pools), sum(p.rank_round_trips for p in pools)
+        return PoolSample(sum(p.mapped_bytes for p in pools), sum(p.rank_round_trips for p in pools),
+                          sum(p.page_takes for p in pools), sum(p.reserve_hits for p in pools))
 
-    return kvcached_mapped
+    return kvcached_pools
 
 
 def _install_probe(core: Any, native_bytes: int | None) -> None:

@@ -24,12 +24,23 @@ from typing import Any
 from conformance.results import ProbeRecord, StepRecord
 
 
+@dataclass(frozen=True, slots=True)
+class PoolSample:
+    """The engine's physical KV side after a step: mapped bytes, and kvcached's cumulative
+    blocking rank round trips, page takes and reserve hits (0 for native)."""
+
+    mapped_bytes: int
+    rank_round_trips: int = 0
+    page_takes: int = 0
+    reserve_hits: int = 0
+
+
 @dataclass
 class EngineProbe:
     """Per-engine counters, filled while the engine runs."""
 
     block_size: int
-    memory_sampler: Callable[[], tuple[int, int]]  # (mapped bytes, rank round trips)
+    memory_sampler: Callable[[], PoolSample]
     steps: list[StepRecord] = field(default_factory=list)
     # One entry per step: the schedule as (request order index, scheduled tokens) pairs.
     schedule_fingerprint: list[list[tuple[int, int]]] = field(default_factory=list)
@@ -66,7 +77,7 @@ class EngineProbe:
         )
 
 
-def install_probe(sched: Any, memory_sampler: Callable[[], tuple[int, int]]) -> EngineProbe:
+def install_probe(sched: Any, memory_sampler: Callable[[], PoolSample]) -> EngineProbe:
     """Wrap the running engine's scheduler instance methods; return the live counters."""
     probe = EngineProbe(block_size=int(sched.block_size), memory_sampler=memory_sampler)
 
@@ -77,7 +88,7 @@ def install_probe(sched: Any, memory_sampler: Callable[[], tuple[int, int]]) -> 
         if not probe.recording:
             return out
         # Sampled right after scheduling: allocation for this step has happened.
-        mapped, round_trips = memory_sampler()
+        pools = memory_sampler()
         copies = list(out.kv_cache_block_copies or [])
         probe.copy_pairs.extend((int(c.src_block_id), int(c.dst_block_id)) for c in copies)
         fp = sorted((probe.order_of(rid), int(n)) for rid, n in out.num_scheduled_tokens.items())
@@ -90,8 +101,10 @@ def install_probe(sched: Any, memory_sampler: Callable[[], tuple[int, int]]) -> 
                 num_requests=len(out.num_scheduled_tokens),
                 copies=len(copies),
                 preempted=len(out.preempted_req_ids or ()),
-                mapped_bytes=int(mapped),
-                rank_round_trips=int(round_trips),
+                mapped_bytes=pools.mapped_bytes,
+                rank_round_trips=pools.rank_round_trips,
+                page_takes=pools.page_takes,
+                reserve_hits=pools.reserve_hits,
             )
         )
         return out
