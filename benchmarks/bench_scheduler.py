@@ -293,13 +293,12 @@ def main() -> int:
     configs = [Config(int(b), s) for s in args.schedulers.split(",") for b in args.blocks.split(",")]
     concurrency = [int(c) for c in args.concurrency.split(",")]
     pairs: dict[tuple[Config, int], list[Pair]] = {}
-    with RunProgress(2 * args.rounds * len(configs), "bench scheduler") as progress:
+    with RunProgress(args.rounds * len(configs), "bench scheduler") as progress:
         for r in range(args.rounds):
             for config in configs:
                 order = (False, True) if r % 2 == 0 else (True, False)
                 got = {kv: sample(kv, config, concurrency, args.max_tokens, args.page_size) for kv in order}
-                progress.advance(f"round {r + 1} {config.scheduler} {config.blocks} blocks")
-                progress.advance("")
+                progress.advance(f"round {r + 1} {config.scheduler} {config.blocks} blocks (both sides)")
                 for nat, kvc in zip(got[False], got[True], strict=True):
                     pairs.setdefault((config, nat.concurrency), []).append(Pair(nat, kvc))
     result = {
