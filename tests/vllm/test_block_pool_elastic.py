@@ -339,3 +339,23 @@ def test_a_pool_never_shut_down_is_closed_when_collected() -> None:
     assert vrange.num_mapped == 0
     assert not [k for k in stats() if k.startswith("lifecycle")]
     vrange.close()
+
+
+def test_a_running_request_covered_by_mapped_blocks_skips_admission(rigs) -> None:
+    """`admit_running`: yes only when free blocks on mapped pages cover ``n // block + 2``
+    per full-attention group, and then the next free count is the native one (the marker is
+    used once); no while faults are injected or before the engine seam set the groups."""
+    pool = rigs().pool
+    assert pool.ledger.backed_free == 3 and pool.free_block_queue.num_free_blocks == 15
+    assert not pool.admit_running(1), "no group block sizes yet (set by the engine seam)"
+    pool.running_block_sizes = (BLOCK,)
+    assert not pool.admit_running(BLOCK * 2), "2 + 2 blocks needed, 3 mapped: admission work"
+    assert pool.get_num_free_blocks() == 3, "nothing was marked: the physical count"
+    assert pool.admit_running(BLOCK - 1)  # 0 + 2 blocks <= 3 mapped
+    assert pool.get_num_free_blocks() == 15, "covered: the native count"
+    assert pool.get_num_free_blocks() == 3, "the marker is used once"
+    pool.running_block_sizes = (BLOCK, BLOCK)
+    assert not pool.admit_running(1), "two groups: 4 blocks"
+    faulty = rigs(faults=FaultInjector.from_plans([])).pool
+    faulty.running_block_sizes = (BLOCK,)
+    assert faulty.ledger.backed_free == 3 and not faulty.admit_running(1)

@@ -198,7 +198,7 @@ class ElasticBlockPool(BlockPool):
         self._demand: _Demand | None = None
         self._admission: _Admission | None = None
         #: Allocation block size of each KV cache group when every group is full attention
-        #: (set by the engine seam at attach), else empty: see `covers_running`.
+        #: (set by the engine seam at attach), else empty: see `admit_running`.
         self.running_block_sizes: tuple[int, ...] = ()
         #: Whether an ``allocate_slots`` call is in progress (`begin_admission`): only its
         #: own checks are demand. An attribute, not a property: read for every request.

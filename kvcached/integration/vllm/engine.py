@@ -222,7 +222,7 @@ def attach(scheduler: Any) -> None:
 def full_attention_block_sizes(manager: Any) -> tuple[int, ...]:
     """Each group's block size if every group is plain full attention, else ``()``: the
     condition under which a running request's demand is bounded by its new tokens
-    (`ElasticBlockPool.covers_running`)."""
+    (`ElasticBlockPool.admit_running`)."""
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
     managers = getattr(getattr(manager, "coordinator", None), "single_type_managers", ())

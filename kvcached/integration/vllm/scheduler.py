@@ -24,7 +24,10 @@ they act is the process-wide switch in `install_state`, shared with the worker s
     site of this physical admission: ``"cow_admission"`` (after firing the trigger
     ``"partial_prefix_hit"``) when the request's local prefix hit ends inside a block, else
     ``"admission"``. Physical exhaustion surfaces as a smaller free count, so vLLM's own
-    check returns ``None``: a scheduling miss, never an exception in EngineCore.
+    check returns ``None``: a scheduling miss, never an exception in EngineCore. A running
+    request's call (no prefix hit, no reservation: the decode path, every request of every
+    step) whose possible demand free blocks on mapped pages already cover does no admission
+    work at all (`ElasticBlockPool.admit_running`): vLLM sees the native count.
 
 ``Scheduler.schedule`` / ``Scheduler.update_from_output`` (the step fence)
     A page may be read or written by any step scheduled but not yet executed (async
