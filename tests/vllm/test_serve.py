@@ -93,9 +93,25 @@ def _dead_worker(spec: ServerSpec, model: Path, logs: Path) -> dict[str, object]
             server.complete([5, 6, 7, 9], 4, timeout_s=120)
         exit_code = server.proc.wait(120)  # the server stops by itself: nothing hangs
         took = time.monotonic() - t0
-    survivors = [p.pid for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    # The server process has exited; give its children the same bounded time to go.
+    _, alive = psutil.wait_procs(family, timeout=30)
+    survivors = [f"{p.pid} {_name(p)}" for p in alive if _alive(p)]
     return {"error": str(err.value), "exit": exit_code, "survivors": survivors, "seconds": took,
             "log": (logs / f"{spec.label}.log").read_text(errors="replace")}
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _name(p: psutil.Process) -> str:
+    try:
+        return p.name()
+    except psutil.NoSuchProcess:
+        return "?"
 
 
 def test_a_dead_worker_fails_the_server_as_native_does(tmp_path: Path) -> None:
@@ -105,8 +121,8 @@ def test_a_dead_worker_fails_the_server_as_native_does(tmp_path: Path) -> None:
     kvc = _dead_worker(ServerSpec("kvcached", True, 2, (("KVCACHED_PAGE_SIZE", str(64 << 10)),)), model,
                        tmp_path / "logs")
     native = _dead_worker(ServerSpec("native", False, 2), model, tmp_path / "logs")
-    for side in (kvc, native):
-        assert "EngineCore encountered an issue" in str(side["error"])
-        assert side["survivors"] == [] and float(side["seconds"]) < 120  # type: ignore[arg-type]
+    for name, side in (("kvcached", kvc), ("native", native)):
+        assert "EngineCore encountered an issue" in str(side["error"]), name
+        assert side["survivors"] == [] and float(side["seconds"]) < 120, (name, side["survivors"])  # type: ignore[arg-type]
     assert kvc["exit"] == native["exit"]
     assert ACTIVE_LINE in str(kvc["log"]) and "/kvcached/" not in str(kvc["log"])  # no kvcached frame
