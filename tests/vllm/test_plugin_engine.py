@@ -64,6 +64,7 @@ CHILD = textwrap.dedent("""
     pool_stats = {k: [v.page_takes, v.reserve_hits, v.blocking_maps] for k, v in kvcached.stats().items()}
     llm.llm_engine.engine_core.shutdown()
     json.dump({
+        "running_block_sizes": list(getattr(pool, "running_block_sizes", ())),
         "refill_threads": [during, refill_threads()],
         "deferred_refills": deferred,
         "takes": pool_stats,
@@ -152,6 +153,8 @@ def test_enabled_plugin_serves_the_same_tokens_with_native_scheduling(tiny_llama
     # In-process executor on CPU (KVCACHED_BACKGROUND_REFILL=auto): refills sent ahead run
     # inline, so no thread, and each is counted as a map on the scheduler's path.
     assert elastic["deferred_refills"] > 0 and elastic["refill_threads"] == [0, 0]
+    # One full-attention group: the running-request fast path is set up with its block size.
+    assert elastic["running_block_sizes"] == [attention_block_size(16)]
     ((takes, hits, blocking),) = elastic["takes"].values()
     assert takes > 0 and 0 <= hits <= takes and blocking >= elastic["deferred_refills"]
 

@@ -223,10 +223,15 @@ def full_attention_block_sizes(manager: Any) -> tuple[int, ...]:
     """Each group's block size if every group is plain full attention, else ``()``: the
     condition under which a running request's demand is bounded by its new tokens
     (`ElasticBlockPool.admit_running`)."""
-    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+    from vllm.v1.core import single_type_kv_cache_manager
 
+    # Feature detection, not an error path: without the class the fast path stays off and
+    # every request takes the full admission (slower, the same answers).
+    full_attention = getattr(single_type_kv_cache_manager, "FullAttentionManager", None)
+    if full_attention is None:
+        return ()
     managers = getattr(getattr(manager, "coordinator", None), "single_type_managers", ())
-    if not managers or any(type(m) is not FullAttentionManager for m in managers):
+    if not managers or any(type(m) is not full_attention for m in managers):
         return ()
     return tuple(int(m.block_size) for m in managers)
 
