@@ -133,15 +133,19 @@ class BlockLedger:
                 if page not in members or (used and used[-1] == page):
                     continue  # stale (left the bucket) or a duplicate (came back to it)
                 used.append(page)
-                free = self._free_per_page[page] if among is None else self._free_per_page[page] & set(among)
-                need = n - len(chosen)
-                if need == 1 and free:
-                    chosen.append(min(free))  # the common case: one block, no sort
-                else:
-                    chosen.extend(sorted(free)[:need])
+                self._take(page, n, among, chosen)
         finally:
             for page in used:
                 heapq.heappush(heap, page)
+
+    def _take(self, page: int, n: int, among: Collection[int] | None, chosen: list[int]) -> None:
+        """Extend ``chosen`` towards ``n`` with the page's lowest eligible free blocks."""
+        free = self._free_per_page[page] if among is None else self._free_per_page[page].intersection(among)
+        need = n - len(chosen)
+        if need == 1 and free:
+            chosen.append(min(free))  # the common case: one block, no sort
+        else:
+            chosen.extend(sorted(free)[:need])
 
     def page_order(self) -> list[int]:
         """Pages with free blocks, best first: mapped pages holding the most blocks first
@@ -159,6 +163,8 @@ class BlockLedger:
         if n < 0:
             raise InvariantError(f"choose({n})")
         chosen: list[int] = []
+        if n == 0:
+            return chosen
         while self._top > 0 and not self._open[self._top]:
             self._top -= 1  # the fullest bucket emptied since (it only ever rises in `_open_add`)
         for held in range(self._top, -1, -1):
@@ -167,13 +173,9 @@ class BlockLedger:
                 if len(chosen) == n:
                     return chosen
         for page in self._unmapped_pages():
-            free = self._free_per_page[page]
-            candidates = sorted(free if among is None else free.intersection(among))
-            chosen.extend(candidates[: n - len(chosen)])
+            self._take(page, n, among, chosen)
             if len(chosen) == n:
                 return chosen
-        if len(chosen) == n:
-            return chosen
         raise InvariantError(f"choose({n}): only {len(chosen)} eligible free blocks")
 
     # ---- state changes -------------------------------------------------------------

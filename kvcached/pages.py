@@ -204,9 +204,6 @@ class PagePool:
         self._taken_this_step = 0
         self.pace = 0
         self._peak = 0
-        #: Bumped whenever the mapped set (``in_use | reserve``) changes: callers may cache
-        #: anything derived from it until it moves.
-        self.mapped_generation = 0
         self._mapped: set[int] = set()  # == in_use | reserve, kept as it changes
         # Candidates for the lowest unmapped pages: a min-heap that may hold stale entries
         # (pages mapped since, duplicates); `lowest_unmapped` drops them as it meets them.
@@ -311,7 +308,6 @@ class PagePool:
 
     def _mapped_now(self, pages: Sequence[int]) -> None:
         """Bookkeeping after ``pages`` joined the reserve (already entered there)."""
-        self.mapped_generation += 1
         self._mapped.update(pages)
         self._peak = max(self._peak, len(self._mapped))
         if self._watcher is not None:
@@ -387,7 +383,6 @@ class PagePool:
         if not pages:
             return
         self.space.unmap_pages(pages)
-        self.mapped_generation += 1
         for page in pages:
             del self.reserve[page]
         self._mapped.difference_update(pages)

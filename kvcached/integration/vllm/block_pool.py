@@ -327,13 +327,11 @@ class ElasticBlockPool(BlockPool):
     def get_num_free_blocks(self) -> int:
         """Free blocks `get_new_blocks` can hand out now without mapping; <= the native count."""
         native = self.free_block_queue.num_free_blocks
-        demand = self._demand
+        demand, self._demand = self._demand, None
         if demand is _NO_DEMAND or self._logical_view:
             # Nothing it allocates needs a map (or it allocates nothing): the native count
             # gives the native answer.
-            self._demand = None
             return native
-        self._demand = None
         self._adopt_external_pops()
         if demand is not None:
             return self._admit(native, demand)

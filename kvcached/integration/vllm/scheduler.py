@@ -129,17 +129,15 @@ class ArgReader:
 
     Built once at install from the method's signature: each name's position (after
     ``self``), keyword-only flag and default. Raises nothing per call; a missing argument
-    without a default reads as `MISSING`. `defaulted` answers, in O(1), whether a call
-    passes none of the names (so every one reads as its default): the common case, which
-    the seams answer without reading anything.
+    without a default reads as `MISSING`. ``first_position`` and ``names`` tell, in O(1),
+    whether a call passes none of the names (``len(args) <= first_position`` and no name in
+    its keywords): then every one reads as its default, the common case, which the seams
+    answer without reading anything.
     """
 
     slots: tuple[tuple[str, int | None, Any], ...]  # (name, position or None if keyword-only, default)
     first_position: int  # the lowest position of a name (len(params) if none is positional)
     names: frozenset[str]
-
-    def defaulted(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        return len(args) <= self.first_position and (not kwargs or self.names.isdisjoint(kwargs))
 
     def read(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         out = []
@@ -218,7 +216,7 @@ def _partial_prefix_hit(manager: Any, request: Any, num_new_computed_tokens: int
 def _wrap_allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
     reader = _readable_signature(original, "KVCacheManager.allocate_slots",
                                  ("num_new_computed_tokens", "new_computed_blocks", "reserved_blocks"))
-    first, names = reader.first_position, reader.names  # `ArgReader.defaulted`, inlined
+    first, names = reader.first_position, reader.names
     from vllm.v1.request import RequestStatus
 
     running = RequestStatus.RUNNING
