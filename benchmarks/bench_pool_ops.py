@@ -53,6 +53,7 @@ from typing import Any
 
 import vllm
 from kvcached._vmm import VirtualRange
+from verdicts import verdict
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.block_pool import BlockPool
@@ -304,12 +305,6 @@ def measure(pool: BlockPool, cell: Cell, ctx: Ctx, reps: int) -> Sample:
 def cells(blocks: list[int], batches: list[int]) -> list[Cell]:
     out = [Cell(MAPPED, op, n, b) for n in blocks for op in OPS for b in batches]
     return out + [Cell(MAPPING, "get_new_blocks", n, b) for n in blocks for b in batches]
-
-
-def verdict(ratios: list[float], target: float) -> str:
-    if min(ratios) <= target < max(ratios):
-        return "inconclusive"
-    return "met" if statistics.median(ratios) <= target else "missed"
 
 
 def spread(xs: list[float]) -> dict[str, float]:

@@ -43,6 +43,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from verdicts import verdict
+
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = 1.10
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
@@ -205,12 +207,6 @@ class Pair:
         return sum(self.native.step_s), sum(self.kvcached.step_s)
 
 
-def verdict(ratios: list[float]) -> str:
-    if min(ratios) <= TARGET < max(ratios):
-        return "inconclusive"
-    return "met" if statistics.median(ratios) <= TARGET else "missed"
-
-
 def summarize(pairs: list[Pair]) -> dict[str, Any]:
     per_step = [p.medians(p.all_steps) for p in pairs]
     free = [p.medians(p.driver_free) for p in pairs if p.driver_free]
@@ -232,7 +228,7 @@ def summarize(pairs: list[Pair]) -> dict[str, Any]:
         if xs:
             r = ratios(xs)
             out[name] = {"native_s": side(xs, 0), "kvcached_s": side(xs, 1), "ratios": r,
-                         "median_ratio": statistics.median(r), "verdict": verdict(r)}
+                         "median_ratio": statistics.median(r), "verdict": verdict(r, TARGET)}
     return out
 
 

@@ -48,6 +48,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from verdicts import verdict
+
 from conformance.models import MODEL_SPECS, ModelSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -292,15 +294,6 @@ def run_all(sess: Session, models: Sequence[BenchModel], rounds: int) -> None:
 # ---------------------------------------------------------------- analysis and report
 
 
-def verdict(ratios: Sequence[float], target: float, higher_is_better: bool) -> str:
-    """Like bench_scheduler: inconclusive when the spread crosses the target, else met/missed by the median."""
-    sign = -1.0 if higher_is_better else 1.0  # turn every target into "value <= target"
-    vals, t = [sign * r for r in ratios], sign * target
-    if min(vals) <= t < max(vals):
-        return "inconclusive"
-    return "met" if statistics.median(vals) <= t else "missed"
-
-
 def _runs(sess: Session, model: str, phase: str, side: str) -> dict[int, PhaseRun]:
     return {r.round: r for r in sess.runs
             if (r.model, r.phase.name, r.side) == (model, phase, side) and not r.calibration_only}
@@ -318,7 +311,7 @@ def compare(sess: Session, model: str, phase: str) -> list[dict[str, Any]]:
         rows.append({"metric": m.key, "label": m.label, "higher_is_better": m.higher_is_better, "rounds": rounds,
                      "native": n, "kvcached": k, "ratios": ratios,
                      "median_ratio": statistics.median(ratios) if ratios else None, "target": target,
-                     "verdict": verdict(ratios, target, m.higher_is_better) if target and ratios else None})
+                     "verdict": verdict(ratios, target, higher_is_better=m.higher_is_better) if target and ratios else None})
     return rows
 
 
