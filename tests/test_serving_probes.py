@@ -131,9 +131,47 @@ def test_bandwidth_probe_cpu_path_checks_pass() -> None:
     assert r.data_identical and r.results_identical and r.control_differs and r.memory_returned
     assert [row.kernel.split(" (")[0] for row in r.rows] == ["paged gather-reduce", "contiguous sum"]
     assert all(row.kvcached_gbps > 0 and row.torch_gbps > 0 for row in r.rows)
-    assert bandwidth.verdict([1.0, 0.98, 0.995]) == "met"
-    assert bandwidth.verdict([0.98, 0.97, 0.995]) == "inconclusive"
-    assert bandwidth.verdict([0.98, 0.97, 0.985]) == "missed"
+
+
+def test_verdict_rule_is_one_implementation_for_benchmarks_and_probes() -> None:
+    import importlib.util
+
+    from serving_probes.verdicts import verdict
+
+    # An upper bound (the default): kvcached/native cost ratios.
+    assert verdict([1.0, 1.05, 1.08], 1.10) == "met"
+    assert verdict([1.05, 1.12, 1.2], 1.10) == "inconclusive"  # median misses, some round meets
+    assert verdict([1.0, 1.05, 1.12], 1.10) == "inconclusive"  # median meets, some round misses
+    assert verdict([1.11, 1.2, 1.3], 1.10) == "missed"
+    # A lower bound: kvcached/native throughput ratios.
+    assert verdict([1.0, 0.995, 0.991], 0.99, higher_is_better=True) == "met"
+    assert verdict([1.0, 0.98, 0.995], 0.99, higher_is_better=True) == "inconclusive"
+    assert verdict([0.98, 0.97, 0.995], 0.99, higher_is_better=True) == "inconclusive"
+    assert verdict([0.98, 0.97, 0.985], 0.99, higher_is_better=True) == "missed"
+    assert verdict([0.99, 0.99], 0.99, higher_is_better=True) == "met"  # on the target meets it
+    # benchmarks/verdicts.py (what the bench_*.py scripts import) re-exports this one function.
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "verdicts.py"
+    spec = importlib.util.spec_from_file_location("bench_verdicts_under_test", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.verdict is verdict
+
+
+def test_bandwidth_probe_judges_rows_by_the_shared_verdict_rule() -> None:
+    from serving_probes import bandwidth
+
+    def row(ratios: list[float]) -> bandwidth.KernelRow:  # ratio = kvcached GB/s / torch GB/s per round
+        return bandwidth._kernel_row("k", 1 << 30, [1 / r for r in ratios], [1.0] * len(ratios), None)
+
+    assert bandwidth.TARGET_RATIO == 0.99
+    assert row([1.0, 0.995, 0.991]).verdict == "met"
+    # Rounds on both sides of the target: inconclusive, even with the median above it (the
+    # probe's former rule said "met" here, as it did for the committed 0.9993 (0.9896-1.0114)).
+    assert row([1.0, 0.98, 0.995]).verdict == "inconclusive"
+    assert row([0.9993, 0.9896, 1.0114]).verdict == "inconclusive"
+    assert row([0.98, 0.97, 0.995]).verdict == "inconclusive"
+    assert row([0.98, 0.97, 0.985]).verdict == "missed"
 
 
 def test_bandwidth_probe_comparison_detects_a_difference(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,26 @@
+"""The project's one verdict rule (issue #12), for a metric judged by kvcached/native ratios
+measured in alternating rounds:
+
+* "met" when the median ratio meets the target;
+* "inconclusive" when the per-round ratios fall on both sides of it;
+* "missed" otherwise.
+
+Used by the GPU probes (`serving_probes.bandwidth`) and, through the re-export in
+``benchmarks/verdicts.py``, by the ``benchmarks/bench_*.py`` scripts. It lives in this
+package because the package ships in the wheel and imports nothing beyond the standard
+library, so both the CPU benchmark environment and a GPU machine without vLLM can import it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+
+def verdict(ratios: Sequence[float], target: float, *, higher_is_better: bool = False) -> str:
+    """Judge ``ratios`` against ``target`` (an upper bound, or a lower one if ``higher_is_better``)."""
+    sign = -1.0 if higher_is_better else 1.0  # turn every target into "value <= target"
+    vals, t = [sign * r for r in ratios], sign * target
+    if min(vals) <= t < max(vals):
+        return "inconclusive"
+    return "met" if statistics.median(vals) <= t else "missed"
