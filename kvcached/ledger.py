@@ -54,6 +54,9 @@ class BlockLedger:
             set(range(p * blocks_per_page, min((p + 1) * blocks_per_page, num_blocks)))
             for p in range(self.num_pages)
         ]
+        # Lazy min-heaps of each page's free blocks (a sorted list is a heap): every free
+        # block is on its page's heap; held ones may linger there until a choice pops them.
+        self._free_heap: list[list[int]] = [sorted(free) for free in self._free_per_page]
         self.num_held = 0
         self._admission_misses = 0
         # Invariants (`check`): backed_free == free blocks on mapped pages (read-only outside); a page is in
@@ -139,13 +142,24 @@ class BlockLedger:
                 heapq.heappush(heap, page)
 
     def _take(self, page: int, n: int, among: Collection[int] | None, chosen: list[int]) -> None:
-        """Extend ``chosen`` towards ``n`` with the page's lowest eligible free blocks."""
-        free = self._free_per_page[page] if among is None else self._free_per_page[page].intersection(among)
+        """Extend ``chosen`` towards ``n`` with the page's lowest eligible free blocks.
+
+        O(blocks taken x log) off the page's heap (stale entries dropped, the blocks taken
+        pushed back: choosing changes nothing), whatever the page size.
+        """
         need = n - len(chosen)
-        if need == 1 and free:
-            chosen.append(min(free))  # the common case: one block, no sort
-        else:
-            chosen.extend(sorted(free)[:need])
+        if among is not None:
+            chosen.extend(sorted(self._free_per_page[page].intersection(among))[:need])
+            return
+        heap, free = self._free_heap[page], self._free_per_page[page]
+        got: list[int] = []
+        while heap and len(got) < need:
+            b = heapq.heappop(heap)
+            if b in free and (not got or got[-1] != b):  # duplicates pop next to each other
+                got.append(b)
+        for b in got:
+            heapq.heappush(heap, b)
+        chosen.extend(got)
 
     def page_order(self) -> list[int]:
         """Pages with free blocks, best first: mapped pages holding the most blocks first
@@ -167,6 +181,17 @@ class BlockLedger:
             return chosen
         while self._top > 0 and not self._open[self._top]:
             self._top -= 1  # the fullest bucket emptied since (it only ever rises in `_open_add`)
+        if n == 1 and among is None and self._open[self._top]:
+            # One block (a decode step's): the lowest page of the fullest bucket, read off
+            # the top of its heap without popping (stale entries on top are dropped).
+            heap, members = self._open_heap[self._top], self._open[self._top]
+            while heap[0] not in members:
+                heapq.heappop(heap)
+            page = heap[0]
+            blocks, free = self._free_heap[page], self._free_per_page[page]
+            while blocks[0] not in free:
+                heapq.heappop(blocks)
+            return [blocks[0]]
         for held in range(self._top, -1, -1):
             if self._open[held]:
                 self._choose_in(held, n, among, chosen)
@@ -189,6 +214,9 @@ class BlockLedger:
 
     def hold(self, block_ids: Sequence[int], *, wait: bool = False) -> None:
         """Mark free blocks held, mapping the pages they need first (all-or-nothing)."""
+        if len(block_ids) == 1:
+            self._hold_one(block_ids[0], wait)
+            return
         ids = list(block_ids)
         if len(ids) > 1 and len(set(ids)) != len(ids):
             raise InvariantError(f"hold(): duplicate block ids in {ids}")
@@ -215,6 +243,57 @@ class BlockLedger:
         self.num_held += len(ids)
         self.backed_free -= len(ids)
 
+    def _hold_one(self, b: int, wait: bool) -> None:
+        """`hold` of one block (a decode step's new block): the same steps, without batching."""
+        if not 0 <= b < self.num_blocks or self._held[b]:
+            raise InvariantError(f"hold(): block {b} is out of range or already held")
+        page = b // self.blocks_per_page
+        held = self._held_per_page[page]
+        if held == 0:
+            self.pool.acquire((page,), wait=wait)  # raises with nothing changed
+        free = self._free_per_page[page]
+        self._open[held].discard(page)
+        self._held[b] = 1
+        free.discard(b)
+        heap = self._free_heap[page]
+        if heap[0] == b:
+            heapq.heappop(heap)  # the usual case: the block just chosen
+        self._held_per_page[page] = held + 1
+        if free:
+            self._open_add(held + 1, page)
+        self.num_held += 1
+        self.backed_free -= 1
+
+    def _release_one(self, b: int) -> list[int]:
+        """`release` of one block."""
+        if not 0 <= b < self.num_blocks or not self._held[b]:
+            raise InvariantError(f"release(): block {b} is out of range or not held")
+        page = b // self.blocks_per_page
+        held = self._held_per_page[page]
+        free = self._free_per_page[page]
+        if free:
+            self._open[held].discard(page)
+        self._held[b] = 0
+        free.add(b)
+        self._free_pushed(page, (b,))
+        self._held_per_page[page] = held - 1
+        self._open_add(held - 1, page)
+        self.num_held -= 1
+        self.backed_free += 1
+        if held == 1:
+            self.pool.release((page,))
+            return [page]
+        return []
+
+    def _free_pushed(self, page: int, blocks: Sequence[int]) -> None:
+        """``blocks`` of ``page`` became free: onto its heap (rebuilt once mostly stale)."""
+        heap = self._free_heap[page]
+        if len(heap) + len(blocks) > 2 * len(self._free_per_page[page]) + 16:
+            heap[:] = sorted(self._free_per_page[page])
+            return
+        for b in blocks:
+            heapq.heappush(heap, b)
+
     def _by_page(self, ids: list[int]) -> dict[int, list[int]]:
         """``ids`` grouped by page, pages in first-seen order (one bucket move per page)."""
         bpp = self.blocks_per_page
@@ -232,6 +311,8 @@ class BlockLedger:
         and the reserve policy let the pool unmap them).
         """
         ids = list(block_ids)
+        if len(ids) == 1:
+            return self._release_one(ids[0])
         if len(ids) > 1 and len(set(ids)) != len(ids):
             raise InvariantError(f"release(): duplicate block ids in {ids}")
         held_of, is_held = self._held_per_page, self._held
@@ -248,6 +329,7 @@ class BlockLedger:
             for b in blocks:
                 is_held[b] = 0
             free.update(blocks)
+            self._free_pushed(page, blocks)
             held_of[page] = held - len(blocks)
             self._open_add(held - len(blocks), page)
             if held == len(blocks):
@@ -332,3 +414,6 @@ class BlockLedger:
                 raise InvariantError(f"pages open with {held} held blocks above the top bucket {self._top}")
             if not bucket <= set(self._open_heap[held]):
                 raise InvariantError(f"pages open with {held} held blocks missing from their heap")
+        for page, free in enumerate(self._free_per_page):
+            if not free <= set(self._free_heap[page]):
+                raise InvariantError(f"page {page}: free blocks missing from its heap")

@@ -195,6 +195,8 @@ class ElasticBlockPool(BlockPool):
         self._name, self._config, self._faults, self._fence = name, config, faults, fence
         self._cached: set[int] = set()
         self._stranded: set[int] = set()
+        #: vLLM's alias keys by block id (0.28: ``cached_block_hashes_by_block``), where present.
+        self._aliases: dict[int, object] = getattr(self, "cached_block_hashes_by_block", {})
         self._demand: _Demand | None = None
         self._admission: _Admission | None = None
         #: Allocation block size of each KV cache group when every group is full attention
@@ -406,14 +408,19 @@ class ElasticBlockPool(BlockPool):
                 else:
                     raise InvariantError(f"block {bid} popped from the hashed region is not cached")
             ret.extend(positional)
+        # Native eviction of a block without hash, alias key or metrics is a no-op: CLEAN
+        # blocks (most of them) skip the call.
+        evict = self.enable_caching
+        aliases = self._aliases
+        metrics = self.metrics_collector
         for block in ret:
-            if self.enable_caching:
+            if evict and (block.block_hash is not None or metrics or block.block_id in aliases):
                 self._maybe_evict_cached_block(block)
             if block.ref_cnt != 0:
                 raise InvariantError(f"free block {block.block_id} has ref_cnt={block.ref_cnt}")
             block.ref_cnt += 1
-            if self.metrics_collector:
-                self.metrics_collector.on_block_allocated(block)
+            if metrics:
+                metrics.on_block_allocated(block)
         return ret
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
@@ -423,6 +430,9 @@ class ElasticBlockPool(BlockPool):
         for block in blocks:
             if block.ref_cnt == 0 and not block.is_null:
                 woken[block.block_id] = None
+        if not woken:  # hits on live blocks only: no state of ours changes
+            super().touch(blocks)
+            return
         clean = [b for b in woken if b not in self._cached and b not in self._stranded]
         if clean:
             self.ledger.hold(clean)  # raises before any change if a page cannot be mapped

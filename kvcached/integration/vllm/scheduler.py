@@ -1,6 +1,6 @@
 """Scheduler-side seams: where kvcached enters vLLM's EngineCore.
 
-Nine attributes are replaced (`install`), each restored exactly by `uninstall`. Whether
+Eight attributes are replaced (`install`), each restored exactly by `uninstall`. Whether
 they act is the process-wide switch in `install_state`, shared with the worker seams:
 
 ``vllm.v1.core.kv_cache_coordinator.BlockPool``
@@ -13,21 +13,24 @@ they act is the process-wide switch in `install_state`, shared with the worker s
     to the wrong prefix. Every supported vLLM (0.26-0.29) passes it, so there is no
     legacy fallback.
 
-``KVCacheCoordinator.get_num_blocks_to_allocate``
-    Inside ``allocate_slots``, notes the demand of the admission check that follows on
-    the elastic pool, together with the prefix hits it will touch, so the pool's next
-    ``get_num_free_blocks`` can map pages for it in one batch. Calls outside an
-    admission (the scheduler's own estimates) note nothing.
-
 ``KVCacheManager.allocate_slots`` (the exhaustion seam)
     Supplies headroom (``watermark_blocks`` + ``reserved_blocks``) and the fault-injection
     site of this physical admission: ``"cow_admission"`` (after firing the trigger
     ``"partial_prefix_hit"``) when the request's local prefix hit ends inside a block, else
     ``"admission"``. Physical exhaustion surfaces as a smaller free count, so vLLM's own
-    check returns ``None``: a scheduling miss, never an exception in EngineCore. A running
-    request's call (no prefix hit, no reservation: the decode path, every request of every
-    step) whose possible demand free blocks on mapped pages already cover does no admission
-    work at all (`ElasticBlockPool.admit_running`): vLLM sees the native count.
+    check returns ``None``: a scheduling miss, never an exception in EngineCore.
+
+    The demand: for the duration of an admitting call, the manager's coordinator
+    *instance* gets a ``get_num_blocks_to_allocate`` that calls vLLM's method and notes
+    its answer, with the prefix hits it will touch, on the pool; the pool's next
+    ``get_num_free_blocks`` maps pages for exactly that in one batch. The instance
+    attribute is deleted in ``finally``: the class method is never replaced, and the
+    scheduler's own estimates outside ``allocate_slots`` note nothing.
+
+    The decode path (every running request, every step) does no admission work: a running
+    request's call (no prefix hit, no reservation) whose possible demand free blocks on
+    mapped pages already cover (`ElasticBlockPool.admit_running`) goes straight to vLLM,
+    which sees the native count. That costs one wrapper frame and one pool method.
 
 ``Scheduler.schedule`` / ``Scheduler.update_from_output`` (the step fence)
     A page may be read or written by any step scheduled but not yet executed (async
@@ -173,27 +176,32 @@ def _readable_signature(original: Callable[..., Any], qualname: str, names: tupl
     return ArgReader(tuple(slots), first, frozenset(names))
 
 
-def _wrap_get_num_blocks_to_allocate(original: Callable[..., int]) -> Callable[..., int]:
+def _demand_noter(original: Callable[..., int]) -> Callable[[Any, ElasticBlockPool], Callable[..., int]]:
+    """Builds, for one admission, the coordinator's demand-noting ``get_num_blocks_to_allocate``.
+
+    ``original`` is vLLM's method (its signature tells where ``new_computed_blocks`` is).
+    The result is bound to one coordinator instance, and shadows the class method on that
+    instance only while one ``allocate_slots`` call admits (`_admit`): the checks vLLM
+    makes inside it are the admission's demand, and nothing else is (the scheduler's own
+    estimates outside ``allocate_slots`` and every native pool see vLLM's method).
+    """
     reader = _readable_signature(original, "KVCacheCoordinator.get_num_blocks_to_allocate",
                                  ("new_computed_blocks",))
-
     ((name, position, default),) = reader.slots
 
-    @functools.wraps(original)
-    def get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> int:
-        num_blocks = original(self, *args, **kwargs)
-        pool = getattr(self, "block_pool", None)
-        # Only admission's own checks are demand; the scheduler also asks for estimates
-        # (``_request_remaining_blocks``) that must not map anything.
-        if isinstance(pool, ElasticBlockPool) and pool.admitting:
+    def bind(coordinator: Any, pool: ElasticBlockPool) -> Callable[..., int]:
+        def get_num_blocks_to_allocate(*args: Any, **kwargs: Any) -> int:
+            num_blocks = original(coordinator, *args, **kwargs)
             if position is not None and position < len(args):
                 new_computed_blocks = args[position]
             else:
                 new_computed_blocks = kwargs.get(name, default)
             pool.note_demand(num_blocks, new_computed_blocks)
-        return num_blocks
+            return num_blocks
 
-    return get_num_blocks_to_allocate
+        return get_num_blocks_to_allocate
+
+    return bind
 
 
 def _partial_prefix_hit(manager: Any, request: Any, num_new_computed_tokens: int,
@@ -213,20 +221,38 @@ def _partial_prefix_hit(manager: Any, request: Any, num_new_computed_tokens: int
     return False
 
 
-def _wrap_allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
+_COUNT = "get_num_blocks_to_allocate"
+
+
+def _wrap_allocate_slots(original: Callable[..., Any], count: Callable[..., int]) -> Callable[..., Any]:
+    """The exhaustion seam; ``count`` is vLLM's ``KVCacheCoordinator.get_num_blocks_to_allocate``."""
     reader = _readable_signature(original, "KVCacheManager.allocate_slots",
                                  ("num_new_computed_tokens", "new_computed_blocks", "reserved_blocks"))
     first, names = reader.first_position, reader.names
+    noter = _demand_noter(count)
     from vllm.v1.request import RequestStatus
 
     running = RequestStatus.RUNNING
 
+    def admit(self: Any, pool: ElasticBlockPool, site: str, reserved: int,
+              args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        coordinator = self.coordinator
+        shadowing = _COUNT not in coordinator.__dict__  # False only inside a nested admission
+        previous = pool.begin_admission(self.watermark_blocks, reserved, site)
+        if shadowing:
+            setattr(coordinator, _COUNT, noter(coordinator, pool))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if shadowing:
+                delattr(coordinator, _COUNT)
+            pool.end_admission(previous)
+
     @functools.wraps(original)
     def allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
-        pool = getattr(self, "block_pool", None)
+        pool = self.block_pool
         if not isinstance(pool, ElasticBlockPool):
             return original(self, *args, **kwargs)
-        site, reserved = "admission", 0
         # A running request's call (no prefix hit, no reservation) passes none of the names.
         if len(args) <= first and (not kwargs or names.isdisjoint(kwargs)):
             request = args[0] if args else kwargs["request"]
@@ -235,17 +261,14 @@ def _wrap_allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
                 num_new_tokens = args[1] if len(args) > 1 else kwargs["num_new_tokens"]
                 if pool.admit_running(num_new_tokens + kwargs.get("num_lookahead_tokens", 0)):
                     return original(self, *args, **kwargs)  # mapped already: nothing to admit
-        else:
-            num_new_computed_tokens, new_computed_blocks, reserved = reader.read(args, kwargs)
-            request = args[0] if args else kwargs["request"]
-            if _partial_prefix_hit(self, request, num_new_computed_tokens, new_computed_blocks):
-                site = "cow_admission"
-                pool.trigger("partial_prefix_hit")
-        previous = pool.begin_admission(self.watermark_blocks, reserved, site)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            pool.end_admission(previous)
+            return admit(self, pool, "admission", 0, args, kwargs)
+        num_new_computed_tokens, new_computed_blocks, reserved = reader.read(args, kwargs)
+        request = args[0] if args else kwargs["request"]
+        site = "admission"
+        if _partial_prefix_hit(self, request, num_new_computed_tokens, new_computed_blocks):
+            site = "cow_admission"
+            pool.trigger("partial_prefix_hit")
+        return admit(self, pool, site, reserved, args, kwargs)
 
     return allocate_slots
 
@@ -334,9 +357,8 @@ def _plan() -> list[tuple[Any, str, Any]]:
     sched = scheduler.Scheduler
     return [
         (kv_cache_coordinator, "BlockPool", elastic_block_pool),
-        (coordinator, "get_num_blocks_to_allocate",
-         _wrap_get_num_blocks_to_allocate(require_own(coordinator, "get_num_blocks_to_allocate"))),
-        (manager, "allocate_slots", _wrap_allocate_slots(require_own(manager, "allocate_slots"))),
+        (manager, "allocate_slots", _wrap_allocate_slots(require_own(manager, "allocate_slots"),
+                                                         require_own(coordinator, _COUNT))),
         (sched, "schedule", _wrap_schedule(require_own(sched, "schedule"))),
         (sched, "update_from_output",
          _wrap_update_from_output(require_own(sched, "update_from_output"))),
