@@ -147,7 +147,8 @@ def make_requests(count: int, batch: int) -> list[Request]:
 def elastic(geometry: Geometry, reserve: int, name: str) -> tuple[ElasticBlockPool, Any]:
     """A detached `ElasticBlockPool`, attached to a real CPU-backed `KvSpace`."""
     vrange = VirtualRange("cpu", geometry.reserved_bytes[0], PAGE, None)
-    config = KvcachedConfig(page_size=PAGE, min_reserve_pages=0, max_reserve_pages=reserve,
+    # No cached-block cap: both pools keep every freed cached block (native caching).
+    config = KvcachedConfig(page_size=PAGE, min_reserve_pages=0, max_reserve_pages=reserve, max_cached_blocks=-1,
                             capacity_ttl_s=0.0, map_retries=0)
     pool = ElasticBlockPool(geometry.num_blocks, True, BLOCK, config=config, fence=StepFence(), name=name)
     pool.attach(KvSpace(geometry, (vrange,)))

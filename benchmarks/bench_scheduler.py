@@ -167,7 +167,8 @@ def sample(kvcached: bool, config: Config, concurrency: list[int], max_tokens: i
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
     env.update(ENV)
     if kvcached:
-        env.update({"KVCACHED_ENABLE": "1", "KVCACHED_PAGE_SIZE": str(page_size)})
+        # No cached-block cap: prefix hits, hence the schedule, stay native (checked per step).
+        env.update({"KVCACHED_ENABLE": "1", "KVCACHED_PAGE_SIZE": str(page_size), "KVCACHED_MAX_CACHED_BLOCKS": "-1"})
     else:
         env["VLLM_PLUGINS"] = ""
     spec = {"blocks": config.blocks, "scheduler": config.scheduler, "concurrency": concurrency,

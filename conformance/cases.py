@@ -64,17 +64,21 @@ class FaultPlan:
 
     ``rules`` go into the kvcached plan file; ``physical_budget`` asks for a physical KV
     budget so small that preemption must happen (KVCACHED_BUDGET_BYTES for kvcached).
+    ``cached_cap`` runs kvcached with that cap on cached-but-free blocks
+    (KVCACHED_MAX_CACHED_BLOCKS) instead of native-equivalent caching (``-1``, every other
+    case): prefix hits then differ by design, tokens must not.
     ``expected_fired`` is what the plan must report for the case to pass.
     """
 
     name: str
     rules: tuple[FaultRule, ...] = ()
     physical_budget: bool = False
+    cached_cap: int | None = None
     description: str = ""
 
     @property
     def is_none(self) -> bool:
-        return not self.rules and not self.physical_budget
+        return not self.rules and not self.physical_budget and self.cached_cap is None
 
     @property
     def expected_fired(self) -> int:
@@ -101,7 +105,14 @@ TINY_BUDGET = FaultPlan(
     physical_budget=True,
     description="physical KV budget so small that preemption must happen",
 )
-FAULT_PLANS: dict[str, FaultPlan] = {p.name: p for p in (NO_FAULTS, COW_ADMISSION_X2, MAP_MID_ALLOCATION, TINY_BUDGET)}
+CACHED_CAP = FaultPlan(
+    "cached-cap",
+    cached_cap=2,
+    description="at most 2 cached-but-free blocks kept (prefix hits evicted by design)",
+)
+FAULT_PLANS: dict[str, FaultPlan] = {
+    p.name: p for p in (NO_FAULTS, COW_ADMISSION_X2, MAP_MID_ALLOCATION, TINY_BUDGET, CACHED_CAP)
+}
 
 
 @dataclass(frozen=True)
@@ -331,8 +342,19 @@ def default_matrix() -> list[Case]:
                     fault=TINY_BUDGET,
                 )
             )
+    cases += cap_cases()
     cases += control_cases(("llama", "nemotron_h"))
     return cases + layout_cases()
+
+
+def cap_cases() -> list[Case]:
+    """kvcached with a cached-block cap: tokens exact, prefix hits reported (fewer by design)."""
+    llama, nem = ARCHETYPES["llama"], ARCHETYPES["nemotron_h"]
+    return [
+        Case(llama, Scheduling.SYNC, fault=CACHED_CAP),
+        Case(llama, Scheduling.ASYNC, pattern=PrefixPattern.SHARED_CONCURRENT, fault=CACHED_CAP),
+        Case(nem, Scheduling.SYNC, fault=CACHED_CAP),
+    ]
 
 
 def layout_cases() -> list[Case]:
@@ -370,6 +392,7 @@ def quick_matrix() -> list[Case]:
         Case(nem, Scheduling.SYNC, pattern=PrefixPattern.PARTIAL_COW, fault=COW_ADMISSION_X2),
         Case(nem, Scheduling.ASYNC, pattern=PrefixPattern.PARTIAL_COW, fault=COW_ADMISSION_X2),
         Case(nem, Scheduling.SYNC, fault=MAP_MID_ALLOCATION),
+        Case(llama, Scheduling.SYNC, fault=CACHED_CAP),
         Case(llama, Scheduling.SYNC, layout=Layout.TP2),
     ]
     return cases + control_cases(("llama",))

@@ -82,7 +82,7 @@ _ENV: dict[str, tuple[str, str, float, float | None]] = {
     "retry_backoff_s": ("KVCACHED_RETRY_BACKOFF_MS", "ms", 0.0, 10_000.0),
     "budget_bytes": ("KVCACHED_BUDGET_BYTES", "int", 0, None),
     "budget_path": ("KVCACHED_BUDGET_PATH", "str", 0, None),
-    "max_cached_blocks": ("KVCACHED_MAX_CACHED_BLOCKS", "int", -1, None),
+    "max_cached_blocks": ("KVCACHED_MAX_CACHED_BLOCKS", "cap", -1, None),
     "fault_plan": ("KVCACHED_FAULT_PLAN", "str", 0, None),
     "background_refill": ("KVCACHED_BACKGROUND_REFILL", "str", 0, None),
 }
@@ -92,6 +92,37 @@ _ENV: dict[str, tuple[str, str, float, float | None]] = {
 #: and backing); on CPU an mmap costs less than handing work to a thread under the GIL.
 BACKGROUND_REFILL = ("auto", "on", "off")
 
+#: Default cap on free blocks that keep their prefix-cache contents (and so their pages
+#: mapped): a tenth of the pool. Idle, an engine then pins at most that share of its KV
+#: range for prefix hits and gives the rest back; busy, blocks freed above the cap are
+#: evicted at once instead of when the pool runs full, so some prefix hits are lost
+#: (`benchmarks/bench_elasticity.py` measures both). ``-1`` keeps vLLM's own caching.
+DEFAULT_MAX_CACHED = "10%"
+
+
+def _parse_cap(name: str, raw: str | int) -> int | str:
+    """``-1`` (no cap), ``N`` blocks (``N >= 0``) or ``P%`` of the pool (``0 <= P <= 100``)."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        if raw < -1:
+            raise ConfigError(f"{name}={raw}; accepted: -1 (unlimited), N >= 0 blocks, or P% of the pool")
+        return raw
+    text = str(raw).strip()
+    if text.endswith("%"):
+        try:
+            percent = float(text[:-1])
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r} is not a percentage") from None
+        if not 0.0 <= percent <= 100.0:  # also refuses nan
+            raise ConfigError(f"{name}={raw!r}; a percentage must be within [0, 100]")
+        return f"{percent:g}%"
+    try:
+        value = int(text, 0)
+    except ValueError:
+        raise ConfigError(
+            f"{name}={raw!r}; accepted: -1 (unlimited), N >= 0 blocks, or P% of the pool"
+        ) from None
+    return _parse_cap(name, value)
+
 
 @dataclass(frozen=True, slots=True)
 class KvcachedConfig:
@@ -99,7 +130,8 @@ class KvcachedConfig:
 
     Invariants: ``page_size`` is a positive multiple of 4 KiB; ``0 <= min_reserve_pages <=
     max_reserve_pages``; ``budget_bytes`` is None (no budget of our own) or >= 0;
-    ``max_cached_blocks`` is -1 (unlimited) or >= 0.
+    ``max_cached_blocks`` is -1 (unlimited), a block count >= 0 or ``"P%"`` of the pool
+    (`cached_cap` turns it into blocks).
     """
 
     page_size: int = 2 * MiB
@@ -110,7 +142,7 @@ class KvcachedConfig:
     retry_backoff_s: float = 0.04
     budget_bytes: int | None = None
     budget_path: str | None = None
-    max_cached_blocks: int = -1
+    max_cached_blocks: int | str = DEFAULT_MAX_CACHED
     fault_plan: str | None = None
     background_refill: str = "auto"
 
@@ -134,6 +166,8 @@ class KvcachedConfig:
                 values[name] = _parse_int(var, raw, int(lo), None if hi is None else int(hi))
             elif kind == "ms":
                 values[name] = _parse_float(var, raw, float(lo), hi) / 1000.0
+            elif kind == "cap":
+                values[name] = _parse_cap(var, raw)
             elif name == "background_refill":
                 values[name] = raw.strip().lower()
             else:
@@ -166,7 +200,12 @@ class KvcachedConfig:
         if self.background_refill not in BACKGROUND_REFILL:
             raise ConfigError(f"KVCACHED_BACKGROUND_REFILL={self.background_refill!r}; accepted: "
                               f"{', '.join(BACKGROUND_REFILL)}")
-        if self.max_cached_blocks < -1:
-            raise ConfigError(
-                f"KVCACHED_MAX_CACHED_BLOCKS={self.max_cached_blocks}; accepted: -1 (unlimited) or >= 0"
-            )
+        if _parse_cap("KVCACHED_MAX_CACHED_BLOCKS", self.max_cached_blocks) != self.max_cached_blocks:
+            raise ConfigError(f"KVCACHED_MAX_CACHED_BLOCKS={self.max_cached_blocks!r} is not in canonical form")
+
+    def cached_cap(self, num_blocks: int) -> int:
+        """The cap on free cached blocks of a pool of ``num_blocks`` blocks; -1: none."""
+        cap = self.max_cached_blocks
+        if isinstance(cap, str):
+            return int(num_blocks * float(cap[:-1]) / 100.0)
+        return cap

@@ -230,3 +230,26 @@ def test_every_rank_must_copy_what_the_scheduler_asked(tmp_path: Path) -> None:
     oth.kvcached = KvcachedFacts(pools_start={}, pools_end={}, copies=copies(3, 2))  # rank 1 missed one
     row, _ = compare_results(NOPC, ref, oth, empty, empty, True)
     assert not row.passed and "[3, 2] block pair(s) per rank" in " ".join(row.problems)
+
+
+def test_prefix_hits_must_match_native_unless_the_case_caps_cached_blocks(tmp_path: Path) -> None:
+    """Native-equivalent caching: per-request prefix hits equal native's (a difference fails,
+    the negative control). With the cap: fewer hits are reported, equal hits mean the cap
+    never acted (fails: the case tested nothing)."""
+    empty = _kv_files(tmp_path, "empty", {})
+    ref, oth = _result([[1, 2, 3, 4], [5, 6, 7, 8]]), _result([[1, 2, 3, 4], [5, 6, 7, 8]], engine="kvcached")
+    assert ref.requests is not None and oth.requests is not None
+    ref.requests[1].num_cached_tokens = oth.requests[1].num_cached_tokens = 16
+    row, _ = compare_results(NOPC, ref, oth, empty, empty, True)
+    assert row.passed, row.problems
+    oth.requests[1].num_cached_tokens = 0  # kvcached lost a hit native had
+    row, _ = compare_results(NOPC, ref, oth, empty, empty, True)
+    assert not row.passed and "prefix hits differ from native on 1 request(s) (first p1-01: 16 vs 0" in \
+        " ".join(row.problems)
+    capped = C.Case(C.ARCHETYPES["llama"], prefix_caching=False, fault=C.CACHED_CAP, max_tokens=MT)
+    row, _ = compare_results(capped, ref, oth, empty, empty, True)
+    assert row.passed, row.problems
+    assert "prefix hits differ by design (cap of 2 cached blocks): 16 native vs 0" in " ".join(row.explanations)
+    oth.requests[1].num_cached_tokens = 16
+    row, _ = compare_results(capped, ref, oth, empty, empty, True)
+    assert not row.passed and "evicted no prefix hit" in " ".join(row.problems)

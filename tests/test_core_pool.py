@@ -133,7 +133,7 @@ def test_ledger_fills_mapped_pages_first_and_returns_empty_pages():
 def test_config_validation_names_the_variable():
     with pytest.raises(ConfigError, match="KVCACHED_PAGE_SIZE"):
         KvcachedConfig.resolve(env={"KVCACHED_PAGE_SIZE": "1000"})
-    with pytest.raises(ConfigError, match=r"KVCACHED_MAX_CACHED_BLOCKS.*range"):
+    with pytest.raises(ConfigError, match=r"KVCACHED_MAX_CACHED_BLOCKS.*accepted"):
         KvcachedConfig.resolve(env={"KVCACHED_MAX_CACHED_BLOCKS": "-7"})
     with pytest.raises(ConfigError, match="KVCACHED_MIN_RESERVE_PAGES"):
         KvcachedConfig.resolve(env={"KVCACHED_MIN_RESERVE_PAGES": "9", "KVCACHED_MAX_RESERVE_PAGES": "2"})

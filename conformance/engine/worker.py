@@ -178,6 +178,10 @@ class CaseRunner:
             if kn.page_size is None:
                 raise RuntimeError("a kvcached engine needs the page size planned by the reference")
             kn.env["KVCACHED_PAGE_SIZE"] = str(kn.page_size)
+            # Native-equivalent caching (no cap), so prefix hits are compared, unless the
+            # candidate's case asks for a cap.
+            cap = case.fault.cached_cap if self.job.side == "candidate" else None
+            kn.env["KVCACHED_MAX_CACHED_BLOCKS"] = str(-1 if cap is None else cap)
         return kn
 
     def _workload(self, entry: JobEntry, case: Case, plan: Plan, geo: Geometry) -> Workload:

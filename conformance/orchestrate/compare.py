@@ -345,8 +345,38 @@ def _scheduler_checks(case: Case, pair: Pair) -> Findings:
     return found
 
 
+def _prefix_hit_checks(pair: Pair, row: ParityRow) -> Findings:
+    """Prefix hits per request: equal to native's under native-equivalent caching, fewer
+    (reported, not a fault) when the case caps kvcached's cached blocks.
+
+    Cases whose plan evicts on purpose (a physical budget reclaims cached blocks) and the
+    controls are not judged here.
+    """
+    case, found = pair.case, Findings()
+    if case.control is not Control.NONE or case.fault.physical_budget:
+        return found
+    ref_hits = {r.rid: r.num_cached_tokens for r in pair.ref.requests or []}
+    differ = [(r.rid, ref_hits.get(r.rid), r.num_cached_tokens) for r in pair.other.requests or []
+              if ref_hits.get(r.rid) != r.num_cached_tokens]
+    native, other = row.prefix_hit_tokens_reference, row.prefix_hit_tokens_other
+    if case.fault.cached_cap is None:
+        if differ:
+            rid, a, b = differ[0]
+            found.problems.append(
+                f"prefix hits differ from native on {len(differ)} request(s) (first {rid}: {a} vs {b} tokens)"
+            )
+    elif pair.other.engine == "kvcached":
+        if other >= native:
+            found.problems.append(f"the cap of {case.fault.cached_cap} cached blocks evicted no prefix hit "
+                                  f"({native} native vs {other} hit tokens): the case tested nothing")
+        else:
+            found.explanations.append(f"prefix hits differ by design (cap of {case.fault.cached_cap} cached blocks): "
+                                      f"{native} native vs {other} hit tokens on {len(differ)} request(s)")
+    return found
+
+
 def fact_checks(pair: Pair, row: ParityRow) -> Findings:
-    """Stage 5: fault plans, budget, kvcached's copy counters, scheduler, pattern coverage.
+    """Stage 5: fault plans, budget, prefix hits, kvcached's copy counters, scheduler, pattern coverage.
 
     Sets ``row.injected_failures_fired``.
     """
@@ -364,6 +394,7 @@ def fact_checks(pair: Pair, row: ParityRow) -> Findings:
                 f"kvcached copied {per_rank} block pair(s) per rank but the scheduler asked for "
                 f"{row.cow_copies_other} on every rank"
             )
+    found.extend(_prefix_hit_checks(pair, row))
     found.extend(_scheduler_checks(case, pair))
     found.extend(_layout_checks(case, pair))
     if case.pattern.value == "partial" and row.cow_copies_reference == 0:

@@ -43,7 +43,8 @@ ENGINE_ENV = {
     # equal across processes, which is how KV blocks of two engines are matched.
     "PYTHONHASHSEED": "0",
 }
-KVCACHED_KNOBS = ("KVCACHED_ENABLE", "KVCACHED_FAULT_PLAN", "KVCACHED_BUDGET_BYTES", "KVCACHED_PAGE_SIZE")
+KVCACHED_KNOBS = ("KVCACHED_ENABLE", "KVCACHED_FAULT_PLAN", "KVCACHED_BUDGET_BYTES", "KVCACHED_PAGE_SIZE",
+                  "KVCACHED_MAX_CACHED_BLOCKS")
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,11 @@ class Rig:
         assert geometry.blocks_per_page == 4
         self.budget = _vmm.Budget(budget_pages * PAGE) if budget_pages is not None else None
         self.vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE, self.budget)
+        # No cached-block cap unless a test asks (native-equivalent caching): default=True
+        # keeps the library default (10% of the pool).
+        defaults = {} if cfg.pop("default_cap", False) else {"max_cached_blocks": -1}
         config = KvcachedConfig(page_size=PAGE, **{"min_reserve_pages": 0, "max_reserve_pages": 0,
-                                                   "capacity_ttl_s": 0.0, "map_retries": 0, **cfg})
+                                                   "capacity_ttl_s": 0.0, "map_retries": 0, **defaults, **cfg})
         self.fence = StepFence()
         self.pool = ElasticBlockPool(num_gpu_blocks=num_blocks, enable_caching=True,
                                      hash_block_size=hash_block_size, enable_kv_cache_events=True,
@@ -157,6 +160,22 @@ def test_cached_cap_evicts_page_aware_and_gives_pages_back(rigs) -> None:
     assert len(events) == 2 and all(type(e).__name__ == "BlockRemoved" for e in events)
     pool.collect()
     assert rig.mapped() == [0]
+    pool.check()
+
+
+@pytest.mark.parametrize(("setting", "kept"), [("default", 4), ("25%", 10), (-1, 16), (0, 0)])
+def test_cached_cap_default_and_percentages(rigs, setting: object, kept: int) -> None:
+    """The cap in blocks: by default a tenth of the pool, ``P%`` of it, -1 none, N blocks."""
+    if setting == "default":
+        rig = rigs(num_blocks=40, default_cap=True)
+    else:
+        rig = rigs(num_blocks=40, max_cached_blocks=KvcachedConfig.resolve(
+            env={"KVCACHED_MAX_CACHED_BLOCKS": str(setting)}).max_cached_blocks)
+    pool = rig.pool
+    blocks = cached_request(pool, 16)
+    pool.free_blocks(reversed(blocks))
+    states = [pool.state_of(b.block_id) for b in blocks]
+    assert states.count("cached") == kept and states.count("clean") == 16 - kept
     pool.check()
 
 

@@ -58,7 +58,9 @@ class Engine:
         geometry = plan_geometry([1024], NUM_BLOCKS, PAGE)
         self.budget = _vmm.Budget(budget_pages * PAGE)
         self.vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE, self.budget)
-        self.space = KvSpace(geometry, (self.vrange,), config=KvcachedConfig.resolve())
+        # No cached-block cap: idle cache is what reclaim must give up (the default cap would
+        # already have cleaned most of it).
+        self.space = KvSpace(geometry, (self.vrange,), config=KvcachedConfig.resolve(max_cached_blocks=-1))
         scheduler.install(capabilities.detect(), enabled=True)
         cfg = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
             KVCacheGroupSpec(["layer0"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8,

@@ -35,8 +35,8 @@ holds the memory). Exhaustion therefore shows up as a smaller free count, i.e. a
 scheduling miss; `get_new_blocks` only maps when called without admission, and raises
 `PhysicalMemoryExhausted` before changing anything if it cannot.
 
-Cap: ``KvcachedConfig.max_cached_blocks`` (-1: none) bounds the free blocks that keep
-memory mapped, CACHED and STRANDED alike. Above it, `free_blocks` cleans blocks page by
+Cap: ``KvcachedConfig.max_cached_blocks`` (default 10% of the pool; -1: none, vLLM's own
+caching) bounds the free blocks that keep memory mapped, CACHED and STRANDED alike. Above it, `free_blocks` cleans blocks page by
 page (pages whose held blocks are all idle first, fewest first), evicting through
 ``_maybe_evict_cached_block`` so events and metrics stay native. The cap and reclaim are
 the only places this pool departs from native eviction order, by design.
@@ -198,6 +198,7 @@ class ElasticBlockPool(BlockPool):
         #: vLLM's alias keys by block id (0.28: ``cached_block_hashes_by_block``), where present.
         self._aliases: dict[int, object] = getattr(self, "cached_block_hashes_by_block", {})
         self._demand: _Demand | None = None
+        self._cap = -1  # the cap in blocks (`KvcachedConfig.cached_cap`), set at attach
         self._admission: _Admission | None = None
         #: Allocation block size of each KV cache group when every group is full attention
         #: (set by the engine seam at attach), else empty: see `admit_running`.
@@ -236,6 +237,7 @@ class ElasticBlockPool(BlockPool):
         )
         self.arena = arena
         self.config = arena.config
+        self._cap = arena.config.cached_cap(self.num_gpu_blocks)
         self.fence = arena.fence
         self.faults = arena.faults
         self.page_pool = arena.pool
@@ -508,8 +510,8 @@ class ElasticBlockPool(BlockPool):
 
     # ---- cap, reclaim ------------------------------------------------------------------
     def _enforce_cap(self) -> None:
-        """Keep free CACHED + STRANDED blocks within ``max_cached_blocks`` (-1: no cap)."""
-        cap = self.config.max_cached_blocks
+        """Keep free CACHED + STRANDED blocks within the cap (-1: no cap)."""
+        cap = self._cap
         if cap < 0:
             return
         excess = len(self._cached) + len(self._stranded) - cap
