@@ -203,9 +203,6 @@ class ElasticBlockPool(BlockPool):
         #: Allocation block size of each KV cache group when every group is full attention
         #: (set by the engine seam at attach), else empty: see `admit_running`.
         self.running_block_sizes: tuple[int, ...] = ()
-        #: Whether an ``allocate_slots`` call is in progress (`begin_admission`): only its
-        #: own checks are demand. An attribute, not a property: read for every request.
-        self.admitting = False
         self._logical_view = False
         self.arena: ElasticArena | None = None
         self._finalizer: weakref.finalize | None = None
@@ -301,12 +298,10 @@ class ElasticBlockPool(BlockPool):
             raise InvariantError(f"unknown admission site {site!r}")
         previous = self._admission
         self._admission = (watermark, reserved, site)
-        self.admitting = True
         return previous
 
     def end_admission(self, previous: _Admission | None) -> None:
         self._admission = previous
-        self.admitting = previous is not None
         self._demand = None
 
     @contextlib.contextmanager

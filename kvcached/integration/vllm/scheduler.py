@@ -181,7 +181,7 @@ def _demand_noter(original: Callable[..., int]) -> Callable[[Any, ElasticBlockPo
 
     ``original`` is vLLM's method (its signature tells where ``new_computed_blocks`` is).
     The result is bound to one coordinator instance, and shadows the class method on that
-    instance only while one ``allocate_slots`` call admits (`_admit`): the checks vLLM
+    instance only while one ``allocate_slots`` call admits: the checks vLLM
     makes inside it are the admission's demand, and nothing else is (the scheduler's own
     estimates outside ``allocate_slots`` and every native pool see vLLM's method).
     """
