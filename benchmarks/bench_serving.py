@@ -185,14 +185,18 @@ def client_main(argv: Sequence[str]) -> int:
     return 0
 
 
-def run_client(port: int, tokenizer_dir: Path, phase: PhaseConfig, out_dir: Path, tag: str) -> dict[str, Any]:
-    """One `vllm bench serve` against 127.0.0.1:``port``; returns its saved result JSON."""
+def run_client(port: int, tokenizer_dir: Path, phase: PhaseConfig, out_dir: Path, tag: str,
+               lengths: tuple[int, int] = (INPUT_LEN, OUTPUT_LEN)) -> dict[str, Any]:
+    """One `vllm bench serve` against 127.0.0.1:``port``; returns its saved result JSON.
+
+    ``lengths``: prompt and output tokens per request.
+    """
     from conformance.orchestrate.serve import SERVED_NAME, ServerError
 
     name = f"{tag}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--client", "--backend", "vllm", "--host", "127.0.0.1",
            "--port", str(port), "--model", SERVED_NAME, "--tokenizer", str(tokenizer_dir),
-           "--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
+           "--dataset-name", "random", "--random-input-len", str(lengths[0]), "--random-output-len", str(lengths[1]),
            "--ignore-eos", "--temperature", "0", "--num-warmups", str(NUM_WARMUPS), "--disable-tqdm",
            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,95,99",
            "--save-result", "--result-dir", str(out_dir), "--result-filename", name, *phase.client_args()]

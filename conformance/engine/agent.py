@@ -9,6 +9,8 @@ The harness reaches each through vLLM's own channels, never its own:
   ``EngineCore``, which the front end invokes as a utility call
   (``engine_core.call_utility("conformance_call", name, ...)``, the channel vLLM's own
   ``collective_rpc`` utility uses). In-process engines call the same functions directly.
+* **Step timer** (`step_timer`): with ``CONFORMANCE_STEP_LOG=<path>`` as well, the EngineCore's
+  scheduler time per step goes to that file (a served engine's front end cannot make utility calls).
 * **Workers**: `WorkerAgent` is a vLLM worker extension (``worker_extension_cls``), whose
   methods ``LLM.collective_rpc`` calls by name on every rank.
 
@@ -40,6 +42,11 @@ def register() -> None:
 
     if "conformance_call" not in vars(EngineCore):
         EngineCore.conformance_call = conformance_call  # type: ignore[attr-defined]
+    step_log = os.environ.get("CONFORMANCE_STEP_LOG")
+    if step_log:  # a served engine's scheduler time per step (benchmarks/bench_serve_steps.py)
+        from conformance.engine import step_timer
+
+        step_timer.install(step_log)
 
 
 def conformance_call(core: Any, name: str, *args: Any) -> Any:

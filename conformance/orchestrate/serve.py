@@ -54,6 +54,7 @@ class ServerSpec:
     kvcached: bool
     tensor_parallel: int = 1
     extra_env: tuple[tuple[str, str], ...] = ()
+    extra_args: tuple[str, ...] = ()  # appended to the server's command line
 
 
 def with_tokenizer(model_dir: Path, out_dir: Path) -> Path:
@@ -155,7 +156,7 @@ def serving(spec: ServerSpec, model_dir: Path, log_dir: Path, *, max_model_len: 
            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--block-size", "16", "--enable-prefix-caching", "--enforce-eager",
            "--seed", "0", "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_bytes),
-           "--tensor-parallel-size", str(spec.tensor_parallel), "--disable-log-stats"]
+           "--tensor-parallel-size", str(spec.tensor_parallel), "--disable-log-stats", *spec.extra_args]
     t0 = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_server_env(spec),

