@@ -444,26 +444,38 @@ class PagePool:
             self._mapped_now(wanted)
 
     def prefetch(self, pages: Sequence[int]) -> int:
-        """Map idle ``pages`` into the reserve, one at a time, until capacity runs out.
+        """Map idle ``pages`` into the reserve; returns how many this call mapped.
 
-        Returns how many were mapped. Running out is expected here, not an error.
+        The pages not mapped yet go in one batch (one round trip to the ranks of a
+        multiprocess engine, not one per page); if that runs out of memory, one at a time
+        until capacity runs out, which is expected here, not an error. A page of a refill in
+        flight is never mapped twice: it is waited for, after the batch (a channel that
+        keeps order has its reply in by then).
         """
         with self._lock:
             pages = list(pages)
-            # A refill holding a page asked for here is waited for, never mapped twice.
-            self._blocking += len(self._waits_for(pages))
-            self._confirm(wait=True, pages=pages)
+            in_flight = [p for p in pages if p in self.pending]
+            missing = [p for p in pages if p not in self.in_use and p not in self.reserve and p not in self.pending]
             mapped = 0
-            for page in pages:
-                if page in self.in_use or page in self.reserve:
-                    continue
+            if missing:
                 try:
-                    self._map_batch([page])
+                    self._map_batch(missing)
+                    mapped = len(missing)
                 except PhysicalMemoryExhausted:
-                    break
-                mapped += 1
-            self._blocking += mapped
+                    for page in missing:
+                        try:
+                            self._map_batch([page])
+                        except PhysicalMemoryExhausted:
+                            break
+                        mapped += 1
+            self._blocking += len(self._waits_for(in_flight)) + mapped
+            self._confirm(wait=True, pages=in_flight)
             return mapped
+
+    def reserve_shortfall(self) -> int:
+        """Pages the reserve lacks to reach its target (refills in flight count as there)."""
+        with self._lock:
+            return max(0, self.reserve_target() - len(self.reserve) - len(self.pending))
 
     def release(self, pages: Iterable[int]) -> None:
         """Pages with no held block go back to the reserve, ticketed by the fence."""

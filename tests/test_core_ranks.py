@@ -157,3 +157,23 @@ def test_the_reserve_is_refilled_ahead_of_demand_without_waiting() -> None:
     assert ranks[0].mapped == ranks[1].mapped == {0, 1, 2, 3, 4} and pool.counters().map_failures == 1
     pool.close()
     assert all(not r.mapped for r in ranks) and not pool.pending
+
+
+def test_an_admission_beyond_the_reserve_costs_one_round_trip() -> None:
+    """Backing blocks beyond the reserve maps every page the demand needs, and the reserve's
+    refill, in one batch: one blocking request, however many pages (it was one per page),
+    and the takes that follow find the reserve full (no refill sent right behind them)."""
+    from kvcached.fence import StepFence
+    from kvcached.ledger import BlockLedger
+
+    space, ranks, channel = _engine(None, None)
+    pool = PagePool(space, KvcachedConfig(min_reserve_pages=2, max_reserve_pages=4), fence=StepFence())
+    ledger = BlockLedger(NUM_BLOCKS, space.geometry.blocks_per_page, pool)
+    per_page = space.geometry.blocks_per_page
+    assert ledger.ensure_backed(3 * per_page) == 5 * per_page  # 3 pages of demand + 2 of reserve
+    maps = [r.pages for r in channel.log if r.op == "map"]
+    assert space.calls["map"] == 1 and maps == [(0, 1, 2, 3, 4)]  # the first capacity query aside
+    ledger.allocate(3 * per_page)  # takes pages 0-2; the reserve (3, 4) is at its target
+    assert space.calls["map"] == 1 and space.deferred == 0 and not pool.pending
+    assert all(r.mapped == {0, 1, 2, 3, 4} for r in ranks)
+    pool.close()
