@@ -79,6 +79,10 @@ class BlockLedger:
     def page_of(self, block_id: int) -> int:
         return block_id // self.blocks_per_page
 
+    def held_on_page(self, page: int) -> int:
+        """Held blocks on ``page``. O(1)."""
+        return self._held_per_page[page]
+
     def is_held(self, block_id: int) -> bool:
         return bool(self._held[block_id])
 

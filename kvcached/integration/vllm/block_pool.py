@@ -36,8 +36,9 @@ scheduling miss; `get_new_blocks` only maps when called without admission, and r
 `PhysicalMemoryExhausted` before changing anything if it cannot.
 
 Cap: ``KvcachedConfig.max_cached_blocks`` (default 10% of the pool; -1: none, vLLM's own
-caching) bounds the free blocks that keep memory mapped, CACHED and STRANDED alike. Above it, `free_blocks` cleans blocks page by
-page (pages whose held blocks are all idle first, fewest first), evicting through
+caching) bounds the free blocks that keep memory mapped, CACHED and STRANDED alike. Above it, `free_blocks` cleans blocks, down to
+``cap - cap // 8`` (the slack keeps the choice off most frees), page by page (pages whose
+held blocks are all idle first, fewest first), evicting through
 ``_maybe_evict_cached_block`` so events and metrics stay native. The cap and reclaim are
 the only places this pool departs from native eviction order, by design.
 
@@ -505,13 +506,18 @@ class ElasticBlockPool(BlockPool):
 
     # ---- cap, reclaim ------------------------------------------------------------------
     def _enforce_cap(self) -> None:
-        """Keep free CACHED + STRANDED blocks within the cap (-1: no cap)."""
+        """Keep free CACHED + STRANDED blocks within the cap (-1: no cap).
+
+        Above the cap they are cleaned down to ``cap - cap // 8``: the page-aware choice
+        looks at every idle block, so it runs once per eighth of the cap freed, not on
+        every free (measured: 76 µs per 8-block free at a 409-block cap without the slack).
+        """
         cap = self._cap
         if cap < 0:
             return
         excess = len(self._cached) + len(self._stranded) - cap
         if excess > 0:
-            self._clean(self._victims(excess))
+            self._clean(self._victims(excess + cap // 8))
 
     def _victims(self, n: int, exclude: frozenset[int] = frozenset()) -> list[int]:
         """Up to ``n`` free CACHED/STRANDED blocks to make CLEAN, page-aware.
@@ -522,15 +528,16 @@ class ElasticBlockPool(BlockPool):
         if n <= 0:
             return []
         by_page: dict[int, list[int]] = {}
-        for bid in self._cached | self._stranded:
-            if bid not in exclude:
-                by_page.setdefault(self.ledger.page_of(bid), []).append(bid)
+        bpp = self.ledger.blocks_per_page
+        for idle in (self._cached, self._stranded):
+            for bid in idle:
+                if bid not in exclude:
+                    by_page.setdefault(bid // bpp, []).append(bid)
+
+        held_on = self.ledger.held_on_page
 
         def rank(page: int) -> tuple[bool, int, int]:
-            lo = page * self.ledger.blocks_per_page
-            hi = min(lo + self.ledger.blocks_per_page, self.num_gpu_blocks)
-            held = sum(1 for b in range(lo, hi) if self.ledger.is_held(b))
-            return (held != len(by_page[page]), len(by_page[page]), page)
+            return (held_on(page) != len(by_page[page]), len(by_page[page]), page)
 
         victims: list[int] = []
         for page in sorted(by_page, key=rank):
