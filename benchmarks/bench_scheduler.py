@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from verdicts import verdict
+from verdicts import RULE, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = 1.10
@@ -267,8 +267,7 @@ def render(result: dict[str, Any]) -> str:
             f"{ms(s['per_step']['native_s'])} | {ms(s['per_step']['kvcached_s'])} | {cell(s.get('per_step'))} | "
             f"{cell(s.get('driver_free'))} | {cell(s.get('total'))} | {s['steps_with_driver_calls']:g} | "
             f"{s['driver_calls']:g} | {'yes' if s['same_schedule'] else 'NO'} |")
-    lines += ["", ("Verdict rule: met when the median ratio meets the target, inconclusive when the "
-              "per-round spread crosses it, missed otherwise."), ""]
+    lines += ["", RULE, ""]
     return "\n".join(lines)
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_serving import prepare_model, run_client
-from verdicts import verdict
+from verdicts import RULE, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = 1.10
@@ -156,8 +156,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['blocks']} | {r['concurrency']} | {_ms(r['native_s'])} | {_ms(r['kvcached_s'])} | "
                      f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | {r['verdict']} | "
                      f"{'/'.join(map(str, r['steps']))} vs {'/'.join(map(str, r['kv_steps']))} |")
-    lines += ["", ("Verdict rule: met when the median ratio meets the target, inconclusive when the per-round "
-              "ratios fall on both sides of it, missed otherwise."), ""]
+    lines += ["", RULE, ""]
     return "\n".join(lines)
 
 

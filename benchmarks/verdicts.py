@@ -7,6 +7,6 @@ project installed (``serving_probes`` ships in its wheel).
 
 from __future__ import annotations
 
-from serving_probes.verdicts import verdict
+from serving_probes.verdicts import RULE, verdict
 
-__all__ = ["verdict"]
+__all__ = ["RULE", "verdict"]

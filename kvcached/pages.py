@@ -522,7 +522,7 @@ class PagePool:
         return min(self.config.max_reserve_pages, max(self.config.min_reserve_pages, self.pace))
 
     def _top_up(self) -> None:
-        need = self.reserve_target() - len(self.reserve) - len(self.pending)
+        need = self.reserve_shortfall()
         if need <= 0:
             return
         candidates = self.lowest_unmapped(need, skip_pending=True)

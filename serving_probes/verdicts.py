@@ -16,6 +16,10 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+#: The rule in one sentence, for the reports that print it.
+RULE = ("Verdict rule: met when the median ratio meets the target, inconclusive when the per-round "
+        "ratios fall on both sides of it, missed otherwise.")
+
 
 def verdict(ratios: Sequence[float], target: float, *, higher_is_better: bool = False) -> str:
     """Judge ``ratios`` against ``target`` (an upper bound, or a lower one if ``higher_is_better``)."""
