@@ -56,7 +56,8 @@ Loaded load() {
             resolve(lib, "cuMemRelease", f.MemRelease, d.why) &&
             resolve(lib, "cuMemGetAllocationGranularity", f.MemGetAllocationGranularity, d.why) &&
             resolve(lib, "cuMemGetInfo_v2", f.MemGetInfo, d.why) &&
-            resolve(lib, "cuGetErrorName", f.GetErrorName, d.why);
+            resolve(lib, "cuGetErrorName", f.GetErrorName, d.why) &&
+            resolve(lib, "cuDeviceGetUuid_v2", f.DeviceGetUuid, d.why);
   if (!ok) return d;
   d.init_rc = f.Init(0);
   if (d.init_rc != CUDA_SUCCESS) {
@@ -175,6 +176,22 @@ std::size_t granularity(int device) {
   check(driver().MemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
         "cuMemGetAllocationGranularity");
   return g;
+}
+
+std::string device_uuid(int device) {
+  check_device(device);
+  CUdevice dev = 0;
+  check(driver().DeviceGet(&dev, device), "cuDeviceGet");
+  unsigned char id[16] = {};
+  check(driver().DeviceGetUuid(&id, dev), "cuDeviceGetUuid_v2");
+  static const char* hex = "0123456789abcdef";
+  std::string out = "GPU-";
+  for (int i = 0; i < 16; ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) out += '-';
+    out += hex[id[i] >> 4];
+    out += hex[id[i] & 15];
+  }
+  return out;
 }
 
 }  // namespace cuda

@@ -79,6 +79,7 @@ struct Driver {
                                           int);                      // cuMemGetAllocationGranularity
   CUresult (*MemGetInfo)(std::size_t*, std::size_t*);                // cuMemGetInfo_v2
   CUresult (*GetErrorName)(CUresult, const char**);                  // cuGetErrorName
+  CUresult (*DeviceGetUuid)(unsigned char (*)[16], CUdevice);        // cuDeviceGetUuid_v2
 };
 
 // True when libcuda.so.1 loads, cuInit succeeds and at least one device exists.
@@ -112,6 +113,10 @@ class ContextGuard {
 
 std::pair<std::size_t, std::size_t> mem_info(int device);  // (free, total)
 std::size_t granularity(int device);
+
+// The device's UUID as nvidia-smi prints it ("GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"):
+// the same in every process whatever CUDA_VISIBLE_DEVICES renumbers.
+std::string device_uuid(int device);
 CUmemAllocationProp pinned_device_prop(int device);
 
 }  // namespace cuda

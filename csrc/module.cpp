@@ -4,7 +4,6 @@
 
 #include <exception>
 
-#include "budget.h"
 #include "cpu_backend.h"
 #include "cuda_driver.h"
 #include "cuda_floor.h"
@@ -13,7 +12,6 @@
 #include "vrange.h"
 
 namespace py = pybind11;
-using kvcached::Budget;
 using kvcached::RangeState;
 using kvcached::VmmError;
 
@@ -106,28 +104,13 @@ PYBIND11_MODULE(_vmm, m) {
 
   using release_gil = py::call_guard<py::gil_scoped_release>;
 
-  py::class_<Budget, std::shared_ptr<Budget>>(m, "Budget",
-                                              "Physical-byte budget; with a path, shared by processes.")
-      .def(py::init<std::int64_t, const std::string&>(), py::arg("limit_bytes"), py::arg("path") = "",
-           release_gil())
-      .def_property("limit", &Budget::limit, &Budget::set_limit)
-      .def_property_readonly("used", &Budget::used)
-      .def_property_readonly("available", &Budget::available)
-      .def_property_readonly("path", &Budget::path)
-      .def("__repr__", [](const Budget& b) {
-        return "Budget(limit=" + std::to_string(b.limit()) + ", used=" + std::to_string(b.used()) +
-               (b.path().empty() ? "" : ", path='" + b.path() + "'") + ")";
-      });
-
   py::class_<RangeState, std::shared_ptr<RangeState>>(m, "VirtualRange",
                                                       "A reserved address range whose pages are "
                                                       "mapped to physical memory on demand.")
-      .def(py::init([](const std::string& device, std::int64_t size, std::int64_t page_size,
-                       std::shared_ptr<Budget> budget) {
-             return std::make_shared<RangeState>(device, size, page_size, std::move(budget));
+      .def(py::init([](const std::string& device, std::int64_t size, std::int64_t page_size) {
+             return std::make_shared<RangeState>(device, size, page_size);
            }),
-           py::arg("device"), py::arg("size"), py::arg("page_size"), py::arg("budget") = nullptr,
-           release_gil())
+           py::arg("device"), py::arg("size"), py::arg("page_size"), release_gil())
       .def_property_readonly("device", &RangeState::device)
       .def_property_readonly("address", &RangeState::address)
       .def_property_readonly("size", &RangeState::size)
@@ -135,7 +118,6 @@ PYBIND11_MODULE(_vmm, m) {
       .def_property_readonly("num_pages", &RangeState::num_pages)
       .def_property_readonly("num_mapped", &RangeState::num_mapped)
       .def_property_readonly("closed", &RangeState::closed)
-      .def_property_readonly("budget", &RangeState::budget)
       .def_property_readonly("live_views",
                              [](const RangeState& r) { return r.live_views.load(); },
                              "DLPack views of this range still alive (capsules and tensors).")
@@ -150,7 +132,7 @@ PYBIND11_MODULE(_vmm, m) {
       .def("close", &RangeState::close, release_gil(),
            "Unmap everything (idempotent). The VA is freed once the last view is gone.")
       .def("physical_available", &RangeState::physical_available, release_gil(),
-           "Bytes that could still be mapped: the budget, else MemAvailable (cpu) / device free (cuda).")
+           "Bytes the device could still map: MemAvailable (cpu) / device free (cuda); budgets are above.")
       .def("committed_bytes", &RangeState::committed_bytes, release_gil(),
            "Physical bytes held now: memfd blocks (cpu) / mapped pages x page size (cuda).")
       .def("__enter__", [](py::object self) { return self; })
@@ -165,6 +147,8 @@ PYBIND11_MODULE(_vmm, m) {
         "True when libcuda.so.1 loads, cuInit succeeds and a device exists.");
   m.def("cuda_mem_info", &kvcached::cuda::mem_info, py::arg("device"), release_gil(),
         "(free, total) bytes of a CUDA device, from cuMemGetInfo_v2.");
+  m.def("cuda_device_uuid", &kvcached::cuda::device_uuid, py::arg("device"), release_gil(),
+        "The device's UUID (\"GPU-...\"), stable across processes and CUDA_VISIBLE_DEVICES.");
   m.def("cuda_granularity", &kvcached::cuda::granularity, py::arg("device"), release_gil(),
         "Minimum VMM allocation granularity of a CUDA device in bytes.");
   m.def(

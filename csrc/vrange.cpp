@@ -1,5 +1,7 @@
 #include "vrange.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 
 #include "cpu_backend.h"
@@ -29,9 +31,8 @@ std::string page_name(std::size_t page) { return "page " + std::to_string(page);
 
 }  // namespace
 
-RangeState::RangeState(const std::string& device, std::int64_t size, std::int64_t page_size,
-                       std::shared_ptr<Budget> budget)
-    : budget_(std::move(budget)) {
+RangeState::RangeState(const std::string& device, std::int64_t size, std::int64_t page_size)
+    : owner_pid_(getpid()) {
   int dev = parse_device(device);
   if (page_size <= 0) throw_config("page_size must be positive, got " + std::to_string(page_size));
   if (size <= 0) throw_config("size must be positive, got " + std::to_string(size));
@@ -59,7 +60,18 @@ RangeState::RangeState(const std::string& device, std::int64_t size, std::int64_
 RangeState::~RangeState() {
   // Best effort only: a destructor must neither throw nor print (it may run
   // at interpreter exit). Pages whose unmap fails are reclaimed with the
-  // reservation below (munmap / process exit).
+  // reservation below (munmap / process exit). A forked child frees only its own
+  // copy of the address space: the pages are the parent's.
+  if (getpid() != owner_pid_) {
+    // CPU: unmapping our copy of the VA and closing our copy of the memfd touch
+    // nothing of the parent's. CUDA: a forked child may not call the driver.
+    if (backend_->dl_device_type() == 1) {
+      backend_.reset();
+    } else {
+      (void)backend_.release();
+    }
+    return;
+  }
   for (std::size_t p = 0; p < mapped_.size(); ++p) {
     if (!mapped_[p]) continue;
     try {
@@ -72,6 +84,10 @@ RangeState::~RangeState() {
 
 void RangeState::check_open() const {
   if (closed_) throw_invariant("VirtualRange is closed");
+  if (getpid() != owner_pid_) {
+    throw_invariant("VirtualRange belongs to process " + std::to_string(owner_pid_) +
+                    "; a forked child must not map, unmap or close its pages");
+  }
 }
 
 std::size_t RangeState::checked_index(std::int64_t page) const {
@@ -83,28 +99,17 @@ std::size_t RangeState::checked_index(std::int64_t page) const {
 }
 
 void RangeState::map_one_locked(std::size_t page) {
-  // Each step undoes itself on failure, so a page is either fully mapped and
-  // charged, or left exactly as it was.
+  // Each step undoes itself on failure, so a page is either fully mapped or left
+  // exactly as it was.
   std::size_t off = page * page_size_;
-  if (budget_ && !budget_->try_acquire(page_size_)) {
-    throw_exhausted("physical budget exhausted mapping " + page_name(page) + ": need " +
-                    std::to_string(page_size_) + " bytes, " +
-                    std::to_string(budget_->available()) + " of " +
-                    std::to_string(budget_->limit()) + " available");
-  }
+  backend_->create(off);
   try {
-    backend_->create(off);
-    try {
-      backend_->map(off);
-    } catch (...) {
-      try {
-        backend_->release(off);
-      } catch (...) {
-      }
-      throw;
-    }
+    backend_->map(off);
   } catch (...) {
-    if (budget_) budget_->release(page_size_);
+    try {
+      backend_->release(off);
+    } catch (...) {
+    }
     throw;
   }
   mapped_[page] = 1;
@@ -116,15 +121,6 @@ void RangeState::unmap_one_locked(std::size_t page) {
   backend_->unmap(off);
   mapped_[page] = 0;
   --num_mapped_;
-  // The budget tracks mapped pages, so it is refunded even if giving the
-  // memory back fails (the error is still reported to the caller).
-  struct Refund {
-    Budget* b;
-    std::size_t n;
-    ~Refund() {
-      if (b) b->release(n);
-    }
-  } refund{budget_.get(), page_size_};
   backend_->release(off);
 }
 
@@ -194,6 +190,7 @@ std::size_t RangeState::num_mapped() {
 void RangeState::close() {
   std::lock_guard<std::mutex> lock(mu_);
   if (closed_) return;
+  check_open();  // a forked child may not close the parent's pages
   closed_ = true;
   // Try every page even if one fails, then report the first failure.
   std::exception_ptr first;
@@ -213,15 +210,7 @@ bool RangeState::closed() {
   return closed_;
 }
 
-std::size_t RangeState::physical_available() {
-  if (!budget_) return backend_->physical_available();
-  // A budget is the whole story on the CPU (by design it is the limit we
-  // enforce); on a GPU the device's own free memory may be lower still.
-  std::size_t budgeted = budget_->available();
-  if (backend_->dl_device_type() == 1) return budgeted;
-  std::size_t device_free = backend_->physical_available();
-  return budgeted < device_free ? budgeted : device_free;
-}
+std::size_t RangeState::physical_available() { return backend_->physical_available(); }
 
 std::size_t RangeState::committed_bytes() {
   std::lock_guard<std::mutex> lock(mu_);

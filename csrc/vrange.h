@@ -1,5 +1,5 @@
-// Native state of one VirtualRange: a reservation, its page table and the
-// budget it charges. Shared (std::shared_ptr) between the Python object and
+// Native state of one VirtualRange: a reservation and its page table.
+// Physical budgets are charged above it (kvcached/budget.py). Shared (std::shared_ptr) between the Python object and
 // every DLPack view, so the address space outlives whichever goes last.
 #pragma once
 
@@ -10,16 +10,17 @@
 #include <string>
 #include <vector>
 
+#include <sys/types.h>
+
 #include "backend.h"
-#include "budget.h"
 
 namespace kvcached {
 
 class RangeState {
  public:
-  RangeState(const std::string& device, std::int64_t size, std::int64_t page_size,
-             std::shared_ptr<Budget> budget);
-  // Unmaps whatever is still mapped and frees the reservation; never throws.
+  RangeState(const std::string& device, std::int64_t size, std::int64_t page_size);
+  // Unmaps whatever is still mapped and frees the reservation; never throws. In a
+  // forked child it leaves the pages alone (see owner_pid_).
   ~RangeState();
   RangeState(const RangeState&) = delete;
   RangeState& operator=(const RangeState&) = delete;
@@ -48,12 +49,12 @@ class RangeState {
   std::size_t size() const noexcept { return size_; }
   std::size_t page_size() const noexcept { return page_size_; }
   std::size_t num_pages() const noexcept { return size_ / page_size_; }
-  const std::shared_ptr<Budget>& budget() const noexcept { return budget_; }
 
   // Number of DLPack views (capsules or tensors made from them) still alive.
   std::atomic<std::int64_t> live_views{0};
 
  private:
+  // Throws InvariantError unless open and called by the process that created the range.
   void check_open() const;
   std::size_t checked_index(std::int64_t page) const;
   // Validates a whole batch before any change: every index in range, none twice, and
@@ -64,7 +65,10 @@ class RangeState {
 
   std::mutex mu_;
   std::unique_ptr<Backend> backend_;
-  std::shared_ptr<Budget> budget_;
+  // The process that created the range. A forked child shares its memfd (CPU): if
+  // the child unmapped a page, punching the hole would zero the parent's live page.
+  // So the child may read views it inherited, but never map, unmap or close.
+  pid_t owner_pid_ = 0;
   std::uintptr_t base_ = 0;
   std::size_t size_ = 0;
   std::size_t page_size_ = 0;

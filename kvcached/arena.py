@@ -102,12 +102,3 @@ class ElasticArena:
         unregister(self.stats_key)
         self.stats_key = ""
 
-
-def make_budget(config: KvcachedConfig):  # -> kvcached._vmm.Budget | None
-    """The CPU physical budget described by the config (None: no budget of our own)."""
-    if config.budget_bytes is None and not config.budget_path:
-        return None
-    from kvcached import _vmm
-
-    limit = config.budget_bytes if config.budget_bytes is not None else 0
-    return _vmm.Budget(limit, config.budget_path or "")

@@ -129,8 +129,10 @@ class KvcachedConfig:
     """Validated knobs of one elastic pool.
 
     Invariants: ``page_size`` is a positive multiple of 4 KiB; ``0 <= min_reserve_pages <=
-    max_reserve_pages``; ``budget_bytes`` is None (no budget of our own) or >= 0;
-    ``max_cached_blocks`` is -1 (unlimited), a block count >= 0 or ``"P%"`` of the pool
+    max_reserve_pages``; ``budget_bytes`` is None (join the device's record with its
+    limit) or the global limit >= 0 to ask that record for (`kvcached.budget`);
+    ``budget_path`` is None (the per-user default record of the device), a record's path,
+    or ``"off"`` (no record: nothing shared, nothing limited); ``max_cached_blocks`` is -1 (unlimited), a block count >= 0 or ``"P%"`` of the pool
     (`cached_cap` turns it into blocks).
     """
 

@@ -50,9 +50,19 @@ class Range(Protocol):
     def page_size(self) -> int: ...
     @property
     def num_pages(self) -> int: ...
+    @property
+    def num_mapped(self) -> int: ...
     def map(self, pages: Sequence[int]) -> None: ...
     def unmap(self, pages: Sequence[int]) -> None: ...
     def physical_available(self) -> int: ...
+
+
+class Charger(Protocol):
+    """Where mapped bytes are charged (`kvcached.budget.Slot`: the device's shared record)."""
+
+    def charge(self, nbytes: int) -> bool: ...
+    def refund(self, nbytes: int) -> None: ...
+    def available(self) -> int | None: ...
 
 
 class Confirmation(Protocol):
@@ -95,12 +105,19 @@ class KvPageSpace(Protocol):
 class PageSpace:
     """Geometry: kv page -> VMM pages of each backing.
 
-    Invariant: every range holds at least ``num_kv_pages * vmm_pages_per_kv_page[r]`` pages.
+    ``charger``: where this process's mapped bytes are charged (None: nowhere). A batch is
+    charged whole before anything is mapped (refused: `PhysicalMemoryExhausted`, nothing
+    mapped) and, whatever happens, the charge is then set right from what the ranges
+    report mapped, so it never drifts from the truth, not even after a failed rollback.
+
+    Invariant: every range holds at least ``num_kv_pages * vmm_pages_per_kv_page[r]`` pages;
+    with a charger, its charge for this space == bytes mapped in ``ranges``.
     """
 
     ranges: tuple[Range, ...]
     vmm_pages_per_kv_page: tuple[int, ...]
     num_kv_pages: int
+    charger: Charger | None = None
 
     def __post_init__(self) -> None:
         if len(self.ranges) != len(self.vmm_pages_per_kv_page) or not self.ranges:
@@ -129,7 +146,7 @@ class PageSpace:
         k = self.vmm_pages_per_kv_page[r]
         return range(kv_page * k, (kv_page + 1) * k)
 
-    def map_page(self, kv_page: int) -> None:
+    def _map_page(self, kv_page: int) -> None:
         """Map one kv page in every range; all-or-nothing across ranges."""
         done: list[int] = []
         try:
@@ -141,26 +158,55 @@ class PageSpace:
                 self.ranges[r].unmap(list(self.vmm_pages(r, kv_page)))
             raise
 
+    def mapped_bytes(self) -> int:
+        """Bytes mapped in this space's ranges, as they report it."""
+        return sum(r.num_mapped * r.page_size for r in self.ranges)
+
     def map_pages(self, kv_pages: Sequence[int]) -> None:
         """Map every page of the batch in every range; all-or-nothing across the batch."""
+        if not kv_pages:
+            return
+        charged = 0
+        if self.charger is not None:
+            before, charged = self.mapped_bytes(), len(kv_pages) * self.kv_page_bytes
+            if not self.charger.charge(charged):
+                raise PhysicalMemoryExhausted(
+                    f"physical budget exhausted mapping {len(kv_pages)} kv page(s) of {self.kv_page_bytes} bytes: "
+                    f"{self.charger.available()} bytes available")
         done: list[int] = []
         try:
             for page in kv_pages:
-                self.map_page(page)
+                self._map_page(page)
                 done.append(page)
         except BaseException:
-            self.unmap_pages(done)
+            try:
+                self._unmap(done)
+            finally:
+                if self.charger is not None:  # keep what is still mapped charged, refund the rest
+                    self.charger.refund(charged - (self.mapped_bytes() - before))
             raise
 
     def unmap_pages(self, kv_pages: Sequence[int]) -> None:
         if not kv_pages:
             return
-        for r, vrange in enumerate(self.ranges):
-            vrange.unmap([v for p in kv_pages for v in self.vmm_pages(r, p)])
+        before = self.mapped_bytes() if self.charger is not None else 0
+        try:
+            self._unmap(kv_pages)
+        finally:
+            if self.charger is not None:  # what was unmapped, even if another range then failed
+                self.charger.refund(before - self.mapped_bytes())
+
+    def _unmap(self, kv_pages: Sequence[int]) -> None:
+        if kv_pages:
+            for r, vrange in enumerate(self.ranges):
+                vrange.unmap([v for p in kv_pages for v in self.vmm_pages(r, p)])
 
     def physical_available(self) -> int:
-        # All backings of one space draw on the same device (or budget).
-        return self.ranges[0].physical_available()
+        """Bytes this space could still map: the device's free memory, at most the budget's."""
+        # All backings of one space draw on the same device (and record).
+        device = self.ranges[0].physical_available()
+        budget = self.charger.available() if self.charger is not None else None
+        return device if budget is None else min(device, budget)
 
 
 @dataclass(frozen=True, slots=True)

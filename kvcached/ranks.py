@@ -71,13 +71,23 @@ class RankReply:
 
 
 @dataclass(frozen=True, slots=True)
+class BudgetRef:
+    """Where a rank's mapped bytes are charged: a budget record and its slot there."""
+
+    path: str
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
 class RankLayout:
-    """What a rank reports at start: its geometry and the pages it already mapped."""
+    """What a rank reports at start: its geometry, the pages it already mapped, and its
+    budget slot (None: budgets are off)."""
 
     rank: int
     geometry: dict[str, object]
     premapped: tuple[int, ...]
     available_bytes: int
+    budget: BudgetRef | None = None
 
 
 class RankPages:
@@ -87,8 +97,9 @@ class RankPages:
     """
 
     def __init__(self, rank: int, space: PageSpace, geometry: Geometry, premapped: Sequence[int] = (),
-                 faults: FaultInjector | None = None) -> None:
+                 faults: FaultInjector | None = None, budget: BudgetRef | None = None) -> None:
         self.rank = rank
+        self.budget = budget
         self.space = space
         self.geometry = geometry
         self.mapped: set[int] = set(premapped)
@@ -97,7 +108,8 @@ class RankPages:
         self._measured: tuple[float, int] | None = None  # (when, bytes): see `_available`
 
     def layout(self) -> RankLayout:
-        return RankLayout(self.rank, self.geometry.to_dict(), tuple(sorted(self.mapped)), self._available(fresh=True))
+        return RankLayout(self.rank, self.geometry.to_dict(), tuple(sorted(self.mapped)), self._available(fresh=True),
+                          self.budget)
 
     def _available(self, fresh: bool = False) -> int:
         """Physical bytes this rank could still map, for every reply.

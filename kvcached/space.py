@@ -24,7 +24,7 @@ from typing import Any
 
 from kvcached.config import KvcachedConfig
 from kvcached.errors import ConfigError
-from kvcached.pages import KvPageSpace, PageSpace, Range
+from kvcached.pages import Charger, KvPageSpace, PageSpace, Range
 
 #: Refuse geometries where one kv page would need more VMM pages than this per backing
 #: (a pathological block stride); the user should pick another page size instead.
@@ -132,6 +132,8 @@ class KvSpace:
     ``config``: the config the worker resolved and planned the geometry with; the pool over
     this space uses it (`kvcached.arena.ElasticArena.open`). None only for spaces built
     without one (tests, probes), whose pool must be given a config explicitly.
+    ``charger``: where the local ranges' mapped bytes are charged (the device's budget
+    record slot of this process, `kvcached.budget.Slot`), or None.
     Invariants: exactly one of ``ranges`` and ``pages``; ``config is None or
     config.page_size == geometry.page_size``.
     """
@@ -141,6 +143,7 @@ class KvSpace:
     premapped: frozenset[int] = frozenset()
     config: KvcachedConfig | None = None
     pages: KvPageSpace | None = None
+    charger: Charger | None = None
 
     def __post_init__(self) -> None:
         if bool(self.ranges) == (self.pages is not None):
@@ -154,4 +157,4 @@ class KvSpace:
     def page_space(self) -> KvPageSpace:
         if self.pages is not None:
             return self.pages
-        return PageSpace(self.ranges, self.geometry.vmm_pages, self.geometry.num_kv_pages)
+        return PageSpace(self.ranges, self.geometry.vmm_pages, self.geometry.num_kv_pages, self.charger)

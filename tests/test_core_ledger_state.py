@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvcached.budget import LocalBudget
 from kvcached.config import KvcachedConfig
 from kvcached.errors import InjectedFault, PhysicalMemoryExhausted
 from kvcached.faults import FaultInjector
@@ -36,13 +37,13 @@ class ElasticCoreMachine(RuleBasedStateMachine):
         self.config = KvcachedConfig(page_size=PAGE, min_reserve_pages=1, max_reserve_pages=2,
                                      capacity_ttl_s=0.0, map_retries=0)
         geometry = plan_geometry([STRIDE], NUM_BLOCKS, PAGE)
-        self.budget = _vmm.Budget(BUDGET_PAGES * PAGE)
-        self.vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE, self.budget)
+        self.budget = LocalBudget(BUDGET_PAGES * PAGE)
+        self.vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE)
         from kvcached.pages import PageSpace
 
         self.faults = FaultInjector.from_plans([])
         self.fence = StepFence()
-        self.pool = PagePool(PageSpace((self.vrange,), geometry.vmm_pages, geometry.num_kv_pages),
+        self.pool = PagePool(PageSpace((self.vrange,), geometry.vmm_pages, geometry.num_kv_pages, self.budget),
                              self.config, fence=self.fence, faults=self.faults)
         self.ledger = BlockLedger(NUM_BLOCKS, geometry.blocks_per_page, self.pool)
         self.held: dict[int, int] = {}  # block -> signature byte

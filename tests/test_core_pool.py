@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcached.budget import BudgetRecord, LocalBudget
 from kvcached.config import KvcachedConfig, enabled_from_env
 from kvcached.errors import ConfigError, InjectedFault, InvariantError, PhysicalMemoryExhausted
 from kvcached.faults import FaultInjector
@@ -30,9 +31,9 @@ def make_pool(num_pages: int = 8, budget_pages: int | None = None, ranges: int =
     config = KvcachedConfig(page_size=PAGE, **{"min_reserve_pages": 0, "max_reserve_pages": 0,
                                                "capacity_ttl_s": 0.0, **cfg})
     if budget_pages is not None:
-        budget = _vmm.Budget(budget_pages * PAGE)
-    vranges = [_vmm.VirtualRange("cpu", num_pages * PAGE, PAGE, budget) for _ in range(ranges)]
-    space = PageSpace(tuple(vranges), (1,) * ranges, num_pages)
+        budget = LocalBudget(budget_pages * PAGE)
+    vranges = [_vmm.VirtualRange("cpu", num_pages * PAGE, PAGE) for _ in range(ranges)]
+    space = PageSpace(tuple(vranges), (1,) * ranges, num_pages, budget)  # type: ignore[arg-type]
     return PagePool(space, config, fence=StepFence(), faults=faults), vranges, budget
 
 
@@ -99,12 +100,14 @@ def test_capacity_query_is_cached_and_invalidated_by_own_maps():
 
 def test_bounded_retry_recovers_when_pressure_goes_away(tmp_path: Path):
     path = str(tmp_path / "arena")
-    shared = _vmm.Budget(2 * PAGE, path)
-    pool, _, _ = make_pool(budget=shared, map_retries=4, retry_backoff_s=0.05)
+    shared = BudgetRecord(path, limit=2 * PAGE)
+    pool, _, _ = make_pool(budget=shared.slot(rank=0, device="cpu"), map_retries=4, retry_backoff_s=0.05)
     hog = subprocess.Popen([sys.executable, "-c", (
-        "import sys,time; from kvcached import _vmm\n"
-        f"b=_vmm.Budget(0, {path!r}); r=_vmm.VirtualRange('cpu', {2 * PAGE}, {PAGE}, b)\n"
-        "r.map([0,1]); print('held', flush=True); time.sleep(0.2); r.unmap([0,1])\n")],
+        "import sys,time; from kvcached import _vmm; from kvcached.budget import BudgetRecord\n"
+        "from kvcached.pages import PageSpace\n"
+        f"b=BudgetRecord({path!r}).slot(rank=0, device='cpu'); r=_vmm.VirtualRange('cpu', {2 * PAGE}, {PAGE})\n"
+        "s=PageSpace((r,), (1,), 2, b)\n"
+        "s.map_pages([0,1]); print('held', flush=True); time.sleep(0.2); s.unmap_pages([0,1])\n")],
         stdout=subprocess.PIPE, text=True)
     assert hog.stdout is not None and hog.stdout.readline().strip() == "held"
     with pytest.raises(PhysicalMemoryExhausted):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvcached import _vmm
+from kvcached.budget import LocalBudget
 from kvcached.config import KvcachedConfig
 from kvcached.errors import InvariantError, PhysicalMemoryExhausted
 from kvcached.pages import PagePool, PageSpace
@@ -40,9 +41,9 @@ class InOrderChannel:
 
 def _rank(rank: int, budget_bytes: int | None = None) -> RankPages:
     geometry = plan_geometry(STRIDES, NUM_BLOCKS, PAGE)
-    budget = _vmm.Budget(budget_bytes, "") if budget_bytes is not None else None
-    ranges = tuple(_vmm.VirtualRange("cpu", size, PAGE, budget) for size in geometry.reserved_bytes)
-    return RankPages(rank, PageSpace(ranges, geometry.vmm_pages, geometry.num_kv_pages), geometry)
+    budget = LocalBudget(budget_bytes) if budget_bytes is not None else None
+    ranges = tuple(_vmm.VirtualRange("cpu", size, PAGE) for size in geometry.reserved_bytes)
+    return RankPages(rank, PageSpace(ranges, geometry.vmm_pages, geometry.num_kv_pages, budget), geometry)
 
 
 def _kv_page_bytes() -> int:

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcached import _vmm
+from kvcached.budget import LocalBudget
 from kvcached.errors import (
     BackendError,
     ConfigError,
@@ -22,6 +23,7 @@ from kvcached.errors import (
     PhysicalMemoryExhausted,
 )
 from kvcached.memory import default_device_string, tensor_view
+from kvcached.pages import PageSpace
 
 OS_PAGE = _vmm.os_page_size()
 MIB = 1 << 20
@@ -76,7 +78,7 @@ def test_properties() -> None:
     assert r.size == 8 * PS and r.page_size == PS and r.num_pages == 8
     assert r.num_mapped == 0 and r.mapped_pages() == [] and not r.closed
     assert r.address % PS == 0 and r.address != 0  # slots are aligned to min(page_size, 2 MiB)
-    assert r.budget is None and r.live_views == 0
+    assert r.live_views == 0
     assert r.committed_bytes() == 0
     assert r.physical_available() > 0  # MemAvailable without a budget
     assert "cpu" in repr(r)
@@ -176,13 +178,11 @@ def test_empty_batches_are_no_ops() -> None:
     ],
 )
 def test_invariant_errors_change_nothing(setup: list[int], call: str, pages: list[int]) -> None:
-    budget = _vmm.Budget(4 * OS_PAGE)
-    r = _vmm.VirtualRange("cpu", 4 * OS_PAGE, OS_PAGE, budget)
+    r = _vmm.VirtualRange("cpu", 4 * OS_PAGE, OS_PAGE)
     r.map(setup)
     with pytest.raises(InvariantError):
         getattr(r, call)(pages)
     assert r.mapped_pages() == setup
-    assert budget.used == len(setup) * OS_PAGE
 
 
 def test_is_mapped_bad_index() -> None:
@@ -192,12 +192,11 @@ def test_is_mapped_bad_index() -> None:
 
 
 def test_close_is_idempotent_and_final() -> None:
-    budget = _vmm.Budget(8 * OS_PAGE)
-    r = _vmm.VirtualRange("cpu", 8 * OS_PAGE, OS_PAGE, budget)
+    r = _vmm.VirtualRange("cpu", 8 * OS_PAGE, OS_PAGE)
     r.map(range(8))
     r.close()
     r.close()
-    assert r.closed and r.num_mapped == 0 and budget.used == 0 and r.committed_bytes() == 0
+    assert r.closed and r.num_mapped == 0 and r.committed_bytes() == 0
     for call in (lambda: r.map([0]), lambda: r.unmap([0]), lambda: r.dlpack()):
         with pytest.raises(InvariantError):
             call()
@@ -226,47 +225,8 @@ def test_memory_is_returned_to_the_os() -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# budget
+# the OS refusing (budgets are charged above the range: tests/test_budget_record.py)
 # ---------------------------------------------------------------------------------------
-
-
-def test_budget_accounting_and_exhaustion() -> None:
-    budget = _vmm.Budget(3 * PS)
-    r = _vmm.VirtualRange("cpu", 8 * PS, PS, budget)
-    assert (budget.limit, budget.used, budget.available, budget.path) == (3 * PS, 0, 3 * PS, "")
-    assert r.physical_available() == 3 * PS
-    r.map([0, 1, 2])
-    assert budget.used == 3 * PS and budget.available == 0 and r.physical_available() == 0
-    with pytest.raises(PhysicalMemoryExhausted, match="budget"):
-        r.map([3])
-    assert r.num_mapped == 3 and budget.used == 3 * PS
-    r.unmap([1])
-    r.map([3])
-    assert r.mapped_pages() == [0, 2, 3]
-
-    budget.limit = PS  # shrinking below use is allowed; nothing more fits
-    assert budget.available == 0
-    r.unmap([0, 2, 3])
-    assert budget.used == 0 and budget.available == PS
-    with pytest.raises(ConfigError):
-        budget.limit = -1
-    with pytest.raises(ConfigError):
-        _vmm.Budget(-5)
-
-
-def test_map_is_all_or_nothing_when_budget_runs_out_mid_batch() -> None:
-    budget = _vmm.Budget(4 * PS)
-    r = _vmm.VirtualRange("cpu", 8 * PS, PS, budget)
-    r.map([7])
-    tensor_view(r, 7 * PS, PS).fill_(9)
-    with pytest.raises(PhysicalMemoryExhausted):
-        r.map([0, 1, 2, 3, 4])  # pages 0-2 fit, page 3 does not: 0-2 must be rolled back
-    assert r.mapped_pages() == [7]
-    assert budget.used == PS
-    assert r.committed_bytes() == PS
-    assert int(tensor_view(r, 7 * PS, PS).sum()) == 9 * PS
-    r.map([0, 1, 2])  # exactly what fits still works afterwards
-    assert budget.available == 0
 
 
 @pytest.mark.skipif(
@@ -295,22 +255,6 @@ def test_map_is_all_or_nothing_when_the_os_refuses_mid_batch() -> None:
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.split("\n")[:2] == ["PhysicalMemoryExhausted 0 0", "after [1, 3]"]
-
-
-def test_two_ranges_share_one_budget() -> None:
-    budget = _vmm.Budget(4 * OS_PAGE)
-    a = _vmm.VirtualRange("cpu", 4 * OS_PAGE, OS_PAGE, budget)
-    b = _vmm.VirtualRange("cpu", 4 * OS_PAGE, OS_PAGE, budget)
-    a.map([0, 1, 2])
-    with pytest.raises(PhysicalMemoryExhausted):
-        b.map([0, 1])
-    b.map([0])
-    a.close()
-    b.map([1, 2, 3])
-    assert budget.used == 4 * OS_PAGE
-    del b
-    gc.collect()
-    assert budget.used == 0  # dropping a range unmaps it
 
 
 # ---------------------------------------------------------------------------------------
@@ -413,11 +357,14 @@ def test_interpreter_exit_prints_nothing() -> None:
         """
         import os, tempfile, torch
         from kvcached import _vmm
+        from kvcached.budget import BudgetRecord
         from kvcached.memory import tensor_view
-        budget = _vmm.Budget(64 << 20, os.path.join(tempfile.mkdtemp(), "b"))
-        ranges = [_vmm.VirtualRange("cpu", 8 << 20, 2 << 20, budget) for _ in range(3)]
+        from kvcached.pages import PageSpace
+        record = BudgetRecord(os.path.join(tempfile.mkdtemp(), "b"), limit=64 << 20)
+        slot = record.slot(rank=0, device="cpu")
+        ranges = [_vmm.VirtualRange("cpu", 8 << 20, 2 << 20) for _ in range(3)]
         for r in ranges:
-            r.map([0, 2])
+            PageSpace((r,), (1,), 4, slot).map_pages([0, 2])
         views = [tensor_view(r) for r in ranges]
         views[0][:10] = 1
         capsule = ranges[1].dlpack()          # never consumed
@@ -436,8 +383,7 @@ def test_interpreter_exit_prints_nothing() -> None:
 
 
 def test_threads_on_disjoint_pages() -> None:
-    budget = _vmm.Budget(64 * OS_PAGE)
-    r = _vmm.VirtualRange("cpu", 64 * OS_PAGE, OS_PAGE, budget)
+    r = _vmm.VirtualRange("cpu", 64 * OS_PAGE, OS_PAGE)
     errors: list[BaseException] = []
 
     def worker(k: int) -> None:
@@ -456,7 +402,7 @@ def test_threads_on_disjoint_pages() -> None:
     for t in threads:
         t.join()
     assert errors == []
-    assert r.num_mapped == 0 and budget.used == 0
+    assert r.num_mapped == 0
 
 
 def test_racing_maps_of_one_page() -> None:
@@ -496,27 +442,30 @@ ops = st.lists(
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, limit_pages=st.integers(0, NUM_PAGES))
 def test_matches_a_set_model(ops: list[tuple[str, list[int]]], limit_pages: int) -> None:
-    budget = _vmm.Budget(limit_pages * OS_PAGE)
-    r = _vmm.VirtualRange("cpu", NUM_PAGES * OS_PAGE, OS_PAGE, budget)
+    """A range under a budget (`PageSpace` charging a `LocalBudget`, checked before mapping)."""
+    budget = LocalBudget(limit_pages * OS_PAGE)
+    r = _vmm.VirtualRange("cpu", NUM_PAGES * OS_PAGE, OS_PAGE)
+    space = PageSpace((r,), (1,), NUM_PAGES, budget)
     model: set[int] = set()
     for op, pages in ops:
         valid_index = all(0 <= p < NUM_PAGES for p in pages) and len(set(pages)) == len(pages)
         if op == "map":
-            if not valid_index or model & set(pages):
-                expected: type[Exception] | None = InvariantError
-            elif len(model) + len(pages) > limit_pages:
-                expected = PhysicalMemoryExhausted
+            if pages and len(model) + len(pages) > limit_pages:
+                expected: type[Exception] | None = PhysicalMemoryExhausted
+            elif not valid_index or model & set(pages):
+                expected = InvariantError
             else:
                 expected = None
         else:
             expected = None if valid_index and set(pages) <= model else InvariantError
+        call = space.map_pages if op == "map" else space.unmap_pages
         if expected is None:
-            getattr(r, op)(pages)
+            call(pages)
             model = model | set(pages) if op == "map" else model - set(pages)
         else:
             with pytest.raises(expected):
-                getattr(r, op)(pages)
+                call(pages)
         assert r.mapped_pages() == sorted(model)
         assert budget.used == len(model) * OS_PAGE
-    r.close()
+    space.unmap_pages(sorted(model))
     assert budget.used == 0

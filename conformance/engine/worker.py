@@ -171,7 +171,10 @@ class CaseRunner:
                     kn.env["KVCACHED_FAULT_PLAN"] = str(kn.plan_path)
             if case.fault.physical_budget and plan.budget is not None:
                 if kvcached:
+                    # The global limit of a record of the case's own: the host's shared
+                    # record must not take one engine's limit (nor refuse the next one's).
                     kn.env["KVCACHED_BUDGET_BYTES"] = str(plan.budget.kvcached_budget_bytes)
+                    kn.env["KVCACHED_BUDGET_PATH"] = str(self.job.out_dir / f"{case.case_id}.budget")
                 else:
                     kn.kv_bytes = plan.budget.native_kv_cache_bytes
         if kvcached:

@@ -13,6 +13,7 @@ import pytest
 from vllm.v1.core.block_pool import BlockPool
 from vllm_requests import make_request
 
+from kvcached.budget import LocalBudget
 from kvcached.config import KvcachedConfig
 from kvcached.errors import InvariantError, PhysicalMemoryExhausted
 from kvcached.faults import FaultInjector
@@ -38,8 +39,8 @@ class Rig:
                  faults: FaultInjector | None = None, **cfg: object) -> None:
         geometry = plan_geometry([STRIDE], num_blocks, PAGE)
         assert geometry.blocks_per_page == 4
-        self.budget = _vmm.Budget(budget_pages * PAGE) if budget_pages is not None else None
-        self.vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE, self.budget)
+        self.budget = LocalBudget(budget_pages * PAGE) if budget_pages is not None else None
+        self.vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE)
         # No cached-block cap unless a test asks (native-equivalent caching): default=True
         # keeps the library default (10% of the pool).
         defaults = {} if cfg.pop("default_cap", False) else {"max_cached_blocks": -1}
@@ -48,7 +49,7 @@ class Rig:
         self.fence = StepFence()
         self.pool = ElasticBlockPool(num_gpu_blocks=num_blocks, enable_caching=True,
                                      hash_block_size=hash_block_size, enable_kv_cache_events=True,
-                                     kv_space=KvSpace(geometry, (self.vrange,)), config=config,
+                                     kv_space=KvSpace(geometry, (self.vrange,), charger=self.budget), config=config,
                                      faults=faults, fence=self.fence, name="test")
 
     def mapped(self) -> list[int]:

@@ -20,6 +20,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request
 from vllm_requests import make_request
 
+from kvcached.budget import LocalBudget
 from kvcached.config import KvcachedConfig
 from kvcached.integration.vllm import capabilities, scheduler
 from kvcached.integration.vllm.block_pool import ElasticBlockPool
@@ -56,11 +57,12 @@ class Engine:
             plan.write_text(json.dumps({"plans": plans}))
             self._env.setenv("KVCACHED_FAULT_PLAN", str(plan))
         geometry = plan_geometry([1024], NUM_BLOCKS, PAGE)
-        self.budget = _vmm.Budget(budget_pages * PAGE)
-        self.vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE, self.budget)
+        self.budget = LocalBudget(budget_pages * PAGE)
+        self.vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE)
         # No cached-block cap: idle cache is what reclaim must give up (the default cap would
         # already have cleaned most of it).
-        self.space = KvSpace(geometry, (self.vrange,), config=KvcachedConfig.resolve(max_cached_blocks=-1))
+        self.space = KvSpace(geometry, (self.vrange,), config=KvcachedConfig.resolve(max_cached_blocks=-1),
+                             charger=self.budget)
         scheduler.install(capabilities.detect(), enabled=True)
         cfg = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
             KVCacheGroupSpec(["layer0"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8,

@@ -41,7 +41,7 @@ from engine_child import (
 )
 
 from conformance.vllm_series import attention_block_size
-from kvcached.errors import ConfigError
+from kvcached.budget import BudgetRecord
 from kvcached.integration.vllm import worker
 from kvcached.integration.vllm.capabilities import detect
 
@@ -63,12 +63,13 @@ NATIVE_CASES: dict[str, dict[str, Any]] = {
 REFUSED = {"huge-virtual"}  # native cases whose start-up vLLM refuses
 KVCACHED_CASES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "no-budget": ({}, {}),
-    "budget": ({}, {"KVCACHED_BUDGET_BYTES": str(BUDGET)}),
+    "budget": ({}, {"KVCACHED_BUDGET_BYTES": str(BUDGET), "KVCACHED_BUDGET_PATH": "<budget file>"}),
     "budget-file": ({}, {"KVCACHED_BUDGET_PATH": "<budget file>"}),
-    "huge-virtual": ({"kv_cache_memory_bytes": HUGE_KV}, {"KVCACHED_BUDGET_BYTES": str(BUDGET)}),
+    "huge-virtual": ({"kv_cache_memory_bytes": HUGE_KV},
+                     {"KVCACHED_BUDGET_BYTES": str(BUDGET), "KVCACHED_BUDGET_PATH": "<budget file>"}),
     # vLLM's RSS-based sizing from a fraction of the machine, then the cap
     "auto-sized": ({"kv_cache_memory_bytes": None, "gpu_memory_utilization": 0.3},
-                   {"KVCACHED_BUDGET_BYTES": str(BUDGET)}),
+                   {"KVCACHED_BUDGET_BYTES": str(BUDGET), "KVCACHED_BUDGET_PATH": "<budget file>"}),
 }
 
 
@@ -125,7 +126,7 @@ def child_main(job_path: str, out_path: str) -> None:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     def compute(workdir: Path) -> dict[str, Any]:
         budget_file = workdir / "budget.arena"
-        _vmm.Budget(BUDGET, str(budget_file))  # creates the shared file with that limit
+        BudgetRecord(str(budget_file), limit=BUDGET).close()  # creates the shared record with that limit
         kvcached_cases = {
             cid: (overrides, {k: str(budget_file) if v == "<budget file>" else v for k, v in env.items()})
             for cid, (overrides, env) in KVCACHED_CASES.items()
@@ -197,13 +198,12 @@ def test_physical_cap_sources(seams: pytest.MonkeyPatch, tmp_path: Path) -> None
     assert worker.physical_cap_bytes() is None
     path = tmp_path / "arena"
     seams.setenv("KVCACHED_BUDGET_PATH", str(path))
-    with pytest.raises(ConfigError, match="does not exist"):
-        worker.physical_cap_bytes()  # attaching would create a file with limit 0
+    assert worker.physical_cap_bytes() is None  # no record yet: an engine would create one without a limit
     assert not path.exists()
-    _vmm.Budget(3 * MiB, str(path))
-    assert worker.physical_cap_bytes() == 3 * MiB  # the shared file's limit
+    BudgetRecord(str(path), limit=3 * MiB).close()
+    assert worker.physical_cap_bytes() == 3 * MiB  # the shared record's limit
     seams.setenv("KVCACHED_BUDGET_BYTES", str(5 * MiB))
-    assert worker.physical_cap_bytes() == 5 * MiB  # explicit bytes win (and become the file's limit)
+    assert worker.physical_cap_bytes() == 5 * MiB  # explicit bytes win (the engine asks the record for them)
     assert worker.capped_kv_bytes(4 * MiB) == 4 * MiB
     assert worker.capped_kv_bytes(9 * MiB) == 5 * MiB
 
@@ -235,9 +235,11 @@ def test_gpu_determine_available_memory_is_capped(seams: pytest.MonkeyPatch) -> 
     assert installed.__wrapped__.__qualname__ == "Worker.determine_available_memory"  # type: ignore[attr-defined]
     assert installed is not installed.__wrapped__  # type: ignore[attr-defined]
     profiled = worker._wrap_gpu_determine(lambda self: 64 * MiB)  # vLLM's profiling result
-    assert profiled(None) == 64 * MiB
+    gpu = SimpleNamespace(device="cuda:0")
+    seams.setenv("KVCACHED_BUDGET_PATH", "off")  # no record (reading one would ask the driver for the GPU's UUID)
+    assert profiled(gpu) == 64 * MiB
     seams.setenv("KVCACHED_BUDGET_BYTES", str(24 * MiB))
-    assert profiled(None) == 24 * MiB
+    assert profiled(gpu) == 24 * MiB
 
 
 if __name__ == "__main__":

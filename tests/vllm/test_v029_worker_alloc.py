@@ -93,7 +93,7 @@ def region_offsets(kv: dict[str, torch.Tensor]) -> dict[str, int]:
 def map_blocks(published: space.KvSpace, blocks: set[int]) -> None:
     g = published.geometry
     for p in sorted({b // g.blocks_per_page for b in blocks} - published.premapped):
-        published.page_space().map_page(p)
+        published.page_space().map_pages([p])
 
 
 def check_copy(kv: dict[str, torch.Tensor], native: dict[str, torch.Tensor], published: space.KvSpace,

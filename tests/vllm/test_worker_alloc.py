@@ -95,7 +95,7 @@ def map_blocks(published: space.KvSpace, blocks: set[int]) -> None:
     """Map only the kv pages holding ``blocks`` (every other byte stays PROT_NONE)."""
     g = published.geometry
     for p in sorted({b // g.blocks_per_page for b in blocks} - published.premapped):
-        published.page_space().map_page(p)
+        published.page_space().map_pages([p])
 
 
 def check_copy(kv: dict[str, Any], published: space.KvSpace, copies: list[tuple[int, int]], runs: int) -> None:
@@ -229,7 +229,7 @@ def test_the_engine_config_is_resolved_once_and_carried_with_the_space(monkeypat
     )
     groups = [(ATTN, CPUAttentionBackend, ["l0"])]
     report = worker._wrap_gpu_determine(lambda self: 1 << 30)  # the engine's capacity report
-    assert report(None) == 1 << 30  # no budget: uncapped
+    assert report(SimpleNamespace(device="cpu")) == 1 << 30  # no budget: uncapped
     monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(2 * PAGE_SIZE))  # too late for this engine
     _, first = build(config, groups)
     assert first.config is not None and first.config.page_size == first.geometry.page_size == PAGE_SIZE

@@ -137,6 +137,7 @@ from typing import Any
 import torch
 
 from kvcached import space as _space
+from kvcached.budget import BudgetRecord, Slot, open_slot, record_path
 from kvcached.config import KvcachedConfig
 from kvcached.copy import copy_blocks
 from kvcached.errors import ConfigError, CopyValidationError, IntegrationError
@@ -145,7 +146,7 @@ from kvcached.integration.vllm import install_state
 from kvcached.integration.vllm.capabilities import Capabilities
 from kvcached.integration.vllm.patching import PatchSet, require_own
 from kvcached.integration.vllm.view_regions import plan_regions, rebase
-from kvcached.ranks import RankPages
+from kvcached.ranks import BudgetRef, RankPages
 from kvcached.views import BytePageMeta, attach_meta, describe_block_view
 
 __all__ = [
@@ -190,6 +191,15 @@ class RankKv:
 
     space: _space.KvSpace
     pages: RankPages
+    budget: BudgetRecord | None = None  # the device's record, holding this rank's slot
+
+    def close(self) -> None:
+        """Unmap every page, then give up the budget slot (its charge is then zero)."""
+        try:
+            self.pages.close()
+        finally:
+            if self.budget is not None:
+                self.budget.close()
 
 
 # Lock order: install_state.LOCK (held while installing) before _lock, never the reverse.
@@ -327,27 +337,32 @@ class _Backings:
     ranges: list[Any]  # kvcached._vmm.VirtualRange, one per backing
     rows: list[torch.Tensor]  # int8 view of each backing's ``num_blocks`` block rows
     strides: dict[int, int]  # range base address -> block stride
+    budget: tuple[BudgetRecord, Slot] | None = None  # this process's slot in the device's record
 
     def close(self) -> None:
-        for vrange in self.ranges:  # nothing stays mapped; the VA goes with the last view
-            vrange.close()
+        try:
+            for vrange in self.ranges:  # nothing stays mapped; the VA goes with the last view
+                vrange.close()
+        finally:
+            if self.budget is not None:
+                self.budget[0].close()  # the slot goes, and with it the charge
 
 
 def _open_backings(block_strides: Sequence[int], row_bytes: Sequence[int], num_blocks: int,
                    device: str) -> _Backings:
     """One virtual range per backing, nothing mapped yet; all or nothing."""
     from kvcached import _vmm
-    from kvcached.arena import make_budget
     from kvcached.memory import tensor_view
 
     config = _take_engine_config()
     geometry = _plan_geometry(block_strides, num_blocks, config.page_size, device)
-    budget = make_budget(config)
     backings = _Backings(geometry, config, [], [], {})
     try:
+        backings.budget = open_slot(config.budget_path, config.budget_bytes, device, rank=_current_rank(),
+                                    label=f"pid {os.getpid()} rank {_current_rank()}")
         for stride, size, reserved in zip(block_strides, row_bytes, geometry.reserved_bytes, strict=True):
             # reserved = whole kv pages covering num_blocks * stride >= size
-            vrange = _vmm.VirtualRange(device, max(reserved, size), config.page_size, budget)
+            vrange = _vmm.VirtualRange(device, max(reserved, size), config.page_size)
             backings.ranges.append(vrange)
             backings.rows.append(tensor_view(vrange, 0, size, dtype=torch.int8))
             backings.strides[int(vrange.address)] = stride
@@ -370,14 +385,17 @@ def _register(backings: _Backings) -> RankKv:
     the worker's own KV tensors (`rank_kv_of`): nothing is handed over in-process.
     """
     try:
+        record, slot = backings.budget if backings.budget is not None else (None, None)
         space = _space.KvSpace(backings.geometry, tuple(backings.ranges), premapped=frozenset({NULL_BLOCK_PAGE}),
-                               config=backings.config)
+                               config=backings.config, charger=slot)
         local = space.page_space()
         # Warm-up may read block 0 before the scheduler's pool exists; the pool adopts the page.
         local.map_pages([NULL_BLOCK_PAGE])
         rank = _current_rank()
         faults = FaultInjector.from_env(backings.config.fault_plan or "", rank=rank)
-        kv = RankKv(space, RankPages(rank, local, backings.geometry, space.premapped, faults))  # type: ignore[arg-type]
+        ref = BudgetRef(record.path, slot.index) if record is not None and slot is not None else None
+        pages = RankPages(rank, local, backings.geometry, space.premapped, faults, budget=ref)  # type: ignore[arg-type]
+        kv = RankKv(space, pages, record)
     except BaseException:
         backings.close()
         raise
@@ -402,7 +420,7 @@ def registered_rank_kv() -> list[RankKv]:
 
 def forget_rank_kv(kv: RankKv) -> None:
     """Unmap every page of ``kv`` and drop it from the index (engine teardown); idempotent."""
-    kv.pages.close()
+    kv.close()
     with _lock:
         for address in [a for a, k in _state.rank_kv.items() if k is kv]:
             del _state.rank_kv[address]
@@ -601,32 +619,25 @@ def _wrap_copy(original: Callable[..., None]) -> Callable[..., None]:
 
 
 # ---- (d) memory profiling -------------------------------------------------------------------
-def physical_cap_bytes(config: KvcachedConfig | None = None) -> int | None:
-    """The physical bytes this engine's KV pages may ever occupy, or None (no budget of ours).
+def physical_cap_bytes(config: KvcachedConfig | None = None, device: str = "cpu") -> int | None:
+    """The physical bytes this engine's KV pages may ever occupy, or None (no limit).
 
-    ``budget_bytes`` wins: `kvcached.arena.make_budget` also writes it into a shared
-    budget file as that file's limit. Otherwise the limit already recorded in the shared
-    file ``budget_path``; a missing file is a configuration error, because attaching would
-    create one with limit 0 and no block could ever be mapped.
+    ``budget_bytes`` wins (the engine will ask the device's record for exactly that limit).
+    Otherwise the global limit the device's record already has, if the record exists.
     """
     config = config if config is not None else KvcachedConfig.resolve()
     if config.budget_bytes is not None:
         return config.budget_bytes
-    if not config.budget_path:
+    path = record_path(config.budget_path, device)
+    if path is None or not os.path.exists(path):
         return None
-    if not os.path.exists(config.budget_path):
-        raise ConfigError(
-            f"KVCACHED_BUDGET_PATH={config.budget_path!r} does not exist and KVCACHED_BUDGET_BYTES is "
-            "unset, so the shared budget has no limit yet; set KVCACHED_BUDGET_BYTES"
-        )
-    from kvcached import _vmm
-
-    return int(_vmm.Budget(0, config.budget_path).limit)  # 0: attach, keep the file's limit
+    with BudgetRecord(path, create=False) as record:
+        return record.snapshot().limit
 
 
-def capped_kv_bytes(virtual_bytes: int, config: KvcachedConfig | None = None) -> int:
+def capped_kv_bytes(virtual_bytes: int, config: KvcachedConfig | None = None, device: str = "cpu") -> int:
     """The KV capacity to report: ``virtual_bytes``, at most the physical budget."""
-    cap = physical_cap_bytes(config)
+    cap = physical_cap_bytes(config, device)
     reported = int(virtual_bytes) if cap is None else min(int(virtual_bytes), cap)
     _logger.info("kvcached: KV capacity %d bytes (virtual %d, physical budget %s)", reported,
                  int(virtual_bytes), "none" if cap is None else cap)
@@ -654,7 +665,9 @@ def _wrap_gpu_determine(original: Callable[..., int]) -> Callable[..., int]:
     @functools.wraps(original)
     def determine_available_memory(self: Any) -> int:
         available = original(self)
-        return capped_kv_bytes(available, _resolve_engine_config()) if _acting() else available
+        if not _acting():
+            return available
+        return capped_kv_bytes(available, _resolve_engine_config(), _device_string(torch.device(self.device)))
 
     return determine_available_memory
 

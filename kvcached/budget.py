@@ -1,0 +1,620 @@
+"""The budget record: one device's physical KV bytes, shared by every engine that maps there.
+
+One small file per device (the CPU host, or one GPU) holds who is charged for what:
+
+* **slots**, one per process that maps KV pages (a worker rank), each with the bytes it has
+  mapped or is about to map (its *charge*). The record's usage is the sum of the live
+  slots' charges; it is never stored, so it cannot disagree with them;
+* **engine rows**, one per engine (its scheduler process), with the engine's name, its
+  limit (set at run time by ``kvctl``), the slots of its ranks, and the in-use and
+  reserved bytes it last published (for ``kvctl``/``kvtop``);
+* the **global limit** (none, or bytes), which every charge is checked against.
+
+Correctness rules, each the fix of a defect of the earlier mmap-and-PID design:
+
+* **Liveness is a lock, not a PID.** A slot's (or row's) owner holds an open-file-description
+  lock (``F_OFD_SETLK``) on that slot's byte, past the end of the file, for as long as it
+  lives. The kernel drops it when the process dies in any way (SIGKILL, OOM kill; before it
+  becomes a zombie), and a lock means the same in every PID namespace sharing the file, and
+  whatever PIDs get reused. Whoever next changes the record reclaims dead entries first.
+* **Every read is validated**: a regular file owned by this user, mode 0600, the exact size,
+  the magic, this layout's version, a CRC over the whole record, and sane fields. Anything
+  else raises `BudgetRecordError`, naming the file and the problem: never a crash, never a
+  wrong number. Nothing is unpickled: the record is fixed binary fields (``struct``).
+* **Writes are whole-record** ``pwrite``\\ s under an exclusive ``flock`` (with a thread lock
+  beside it: ``flock`` does not exclude threads sharing one open file).
+* **No silent override of the global limit**: an engine that asks for a limit different from
+  the one live engines share is refused with `BudgetConflict`; ``kvctl limit --global``
+  changes it for everyone. With no live holder, the asker's limit starts a new epoch.
+* **A fork never touches the parent's charge**: a handle is bound to the process that opened
+  it; in a forked child every operation raises `InvariantError` and closing it only drops
+  the child's copy of the descriptor (which releases no lock: OFD locks go with the last
+  descriptor of the open file description, the parent's).
+
+The record is the *mechanism*: a charge either fits under the global limit or is refused
+(`Slot.charge` returns False, and the caller reports `PhysicalMemoryExhausted`, a scheduling
+miss). Per-engine limits are *policy*, enforced by the engine's own pool, which alone decides
+what that engine maps (``kvcached.integration.vllm.block_pool``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import stat
+import struct
+import tempfile
+import threading
+import time
+import weakref
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from kvcached.errors import ConfigError, InvariantError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+#: Record layout version; another version is refused, naming it.
+VERSION = 3
+MAGIC = b"KVCBUDGT"
+NO_LIMIT = (1 << 64) - 1  # the on-disk value of "no limit"
+NUM_SLOTS = 64
+NUM_ENGINES = 32
+NAME_BYTES = 48
+
+# header: magic, version, header bytes, slots, engines, owner uid, limit, generation, crc
+_HEADER = struct.Struct("<8sHHHHIQQI20x")
+# slot: used, rank, pid (informational: the owner's own namespace), charge, started, device, label
+_SLOT = struct.Struct("<B3xiIQd16s48s")
+# engine: used, pid, limit, mapped, in_use, reserved, slot mask, updated, name
+_ENGINE = struct.Struct("<B3xIQQQQQd48s")
+RECORD_BYTES = _HEADER.size + NUM_SLOTS * _SLOT.size + NUM_ENGINES * _ENGINE.size
+_CRC_AT = _HEADER.size - 24  # offset of the crc field inside the header
+# Lock bytes lie past the end of the file: a lock there guards nothing but liveness.
+_SLOT_LOCKS = RECORD_BYTES + 64
+_ENGINE_LOCKS = _SLOT_LOCKS + NUM_SLOTS
+
+
+class BudgetRecordError(ConfigError):
+    """The budget record is corrupt, truncated, foreign or of another layout version."""
+
+
+class BudgetConflict(ConfigError):
+    """An engine asked for a global limit other than the one live engines share."""
+
+
+# ---- the record's contents ---------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class SlotInfo:
+    """One mapping process. ``pid`` is as that process saw itself (its PID namespace)."""
+
+    index: int
+    rank: int
+    pid: int
+    charge: int
+    started: float
+    device: str
+    label: str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """One engine. ``limit`` None: no limit of its own. Byte counts are what it last published."""
+
+    index: int
+    name: str
+    pid: int
+    limit: int | None
+    mapped: int
+    in_use: int
+    reserved: int
+    slots: tuple[int, ...]
+    updated: float
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A validated read of the record (live entries only)."""
+
+    path: str
+    limit: int | None
+    generation: int
+    slots: tuple[SlotInfo, ...]
+    engines: tuple[EngineInfo, ...]
+
+    @property
+    def used(self) -> int:
+        return sum(s.charge for s in self.slots)
+
+    @property
+    def available(self) -> int | None:
+        """Bytes still chargeable under the global limit; None: no limit."""
+        return None if self.limit is None else max(0, self.limit - self.used)
+
+    def engine(self, name: str) -> EngineInfo | None:
+        return next((e for e in self.engines if e.name == name), None)
+
+    def charge_of(self, engine: EngineInfo) -> int:
+        """Bytes charged by the engine's ranks' slots."""
+        return sum(s.charge for s in self.slots if s.index in engine.slots)
+
+
+@dataclass
+class _State:
+    """The record decoded for one transaction (free entries are None)."""
+
+    limit: int | None
+    generation: int
+    slots: list[SlotInfo | None] = field(default_factory=lambda: [None] * NUM_SLOTS)
+    engines: list[EngineInfo | None] = field(default_factory=lambda: [None] * NUM_ENGINES)
+
+
+def _text(raw: bytes, what: str, path: str) -> str:
+    try:
+        return raw.rstrip(b"\0").decode()
+    except UnicodeDecodeError:
+        raise BudgetRecordError(f"budget record {path}: {what} is not UTF-8 (corrupt record)") from None
+
+
+def _fit(text: str, what: str, size: int = NAME_BYTES) -> bytes:
+    raw = text.encode()
+    if len(raw) > size or "\0" in text:
+        raise ConfigError(f"{what} {text!r} must be at most {size} UTF-8 bytes, without NUL")
+    return raw
+
+
+def _decode(data: bytes, path: str) -> _State:
+    if len(data) != RECORD_BYTES:
+        raise BudgetRecordError(f"budget record {path} is {len(data)} bytes, expected {RECORD_BYTES} (truncated?)")
+    magic, version, hdr, nslots, nengines, _uid, limit, gen, crc = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise BudgetRecordError(f"{path} is not a kvcached budget record (bad magic)")
+    if version != VERSION:
+        raise BudgetRecordError(f"budget record {path} has layout version {version}; this kvcached reads "
+                                f"version {VERSION} (stop the engines of the other version, then remove it)")
+    if (hdr, nslots, nengines) != (_HEADER.size, NUM_SLOTS, NUM_ENGINES):
+        raise BudgetRecordError(f"budget record {path}: unexpected layout ({hdr}, {nslots}, {nengines})")
+    if zlib.crc32(data[:_CRC_AT] + b"\0\0\0\0" + data[_CRC_AT + 4:]) != crc:
+        raise BudgetRecordError(f"budget record {path} fails its checksum (corrupt record)")
+    state = _State(None if limit == NO_LIMIT else limit, gen)
+    at = _HEADER.size
+    for i, (used, rank, pid, charge, started, dev, label) in enumerate(_SLOT.iter_unpack(
+            data[at:at + NUM_SLOTS * _SLOT.size])):
+        if used not in (0, 1) or charge > NO_LIMIT // 2:
+            raise BudgetRecordError(f"budget record {path}: slot {i} is corrupt")
+        if used:
+            state.slots[i] = SlotInfo(i, rank, pid, charge, started, _text(dev, "a device", path),
+                                      _text(label, "a label", path))
+    at += NUM_SLOTS * _SLOT.size
+    for i, (used, pid, lim, mapped, in_use, reserved, mask, updated, name) in enumerate(_ENGINE.iter_unpack(
+            data[at:])):
+        if used not in (0, 1) or mask >> NUM_SLOTS:
+            raise BudgetRecordError(f"budget record {path}: engine row {i} is corrupt")
+        if used:
+            slots = tuple(s for s in range(NUM_SLOTS) if mask >> s & 1)
+            state.engines[i] = EngineInfo(i, _text(name, "an engine name", path), pid,
+                                          None if lim == NO_LIMIT else lim, mapped, in_use, reserved, slots, updated)
+    return state
+
+
+def _encode(state: _State) -> bytes:
+    out = bytearray(RECORD_BYTES)
+    limit = NO_LIMIT if state.limit is None else state.limit
+    _HEADER.pack_into(out, 0, MAGIC, VERSION, _HEADER.size, NUM_SLOTS, NUM_ENGINES, os.geteuid(), limit,
+                      state.generation, 0)
+    at = _HEADER.size
+    for s in state.slots:
+        if s is not None:
+            _SLOT.pack_into(out, at, 1, s.rank, s.pid, s.charge, s.started, _fit(s.device, "device", 16),
+                            _fit(s.label, "label"))
+        at += _SLOT.size
+    for e in state.engines:
+        if e is not None:
+            mask = sum(1 << s for s in e.slots)
+            _ENGINE.pack_into(out, at, 1, e.pid, NO_LIMIT if e.limit is None else e.limit, e.mapped, e.in_use,
+                              e.reserved, mask, e.updated, _fit(e.name, "engine name"))
+        at += _ENGINE.size
+    struct.pack_into("<I", out, _CRC_AT, zlib.crc32(out))
+    return bytes(out)
+
+
+# ---- liveness locks ----------------------------------------------------------------------
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux (l_type, l_whence, l_start, l_len, l_pid)
+
+
+def _ofd(fd: int, cmd: int, kind: int, offset: int) -> int:
+    """One OFD lock call on byte ``offset``; returns the lock type (F_OFD_GETLK's answer)."""
+    got = fcntl.fcntl(fd, cmd, _FLOCK.pack(kind, os.SEEK_SET, offset, 1, 0))
+    return int(_FLOCK.unpack(got)[0])
+
+
+def _held_elsewhere(fd: int, offset: int) -> bool:
+    """Whether another open file description holds the lock byte ``offset`` (a live owner)."""
+    return _ofd(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK, offset) != fcntl.F_UNLCK
+
+
+def default_dir() -> str:
+    """Where the default records live: ``$KVCACHED_BUDGET_DIR``, else a per-user folder
+    under ``$XDG_RUNTIME_DIR``, else ``/dev/shm``, else the temp directory."""
+    if explicit := os.environ.get("KVCACHED_BUDGET_DIR"):
+        return explicit
+    base = os.environ.get("XDG_RUNTIME_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    return os.path.join(base, f"kvcached-{os.geteuid()}")
+
+
+def default_path(device: str) -> str:
+    """The default record of ``device`` (a `device_key`: ``host`` or a GPU's UUID)."""
+    return os.path.join(default_dir(), f"{device}.budget")
+
+
+_open_records: weakref.WeakSet[BudgetRecord] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    for record in list(_open_records):
+        record._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
+class BudgetRecord:
+    """An open handle on one budget record (one per process and file is enough).
+
+    `snapshot` reads; `slot`, `engine`, `set_limit` and `set_engine_limit` change it, each
+    one all-or-nothing transaction. Entries this handle owns (its slots and engine rows)
+    stay alive while it is open; `close` gives them up (their charges go with them).
+    """
+
+    def __init__(self, path: str, *, limit: int | None = None, create: bool = True) -> None:
+        """Open (or, with ``create``, create) the record at ``path``.
+
+        ``limit``: the global limit this caller asks for (None: join with the record's). It
+        is applied if no live entry exists, else it must equal the record's (`BudgetConflict`).
+        """
+        if limit is not None and limit < 0:
+            raise ConfigError(f"a budget limit must be >= 0 bytes, got {limit}")
+        self.path = path
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._owned_slots: set[int] = set()
+        self._owned_engines: set[int] = set()
+        self._fd = self._open(path, create)
+        try:
+            with self._transaction() as state:
+                live = any(state.slots) or any(state.engines)
+                if limit is not None and limit != state.limit:
+                    if live:
+                        raise BudgetConflict(
+                            f"budget record {path}: live engines share the limit "
+                            f"{_bytes(state.limit)}, this one asks for {_bytes(limit)}; unset KVCACHED_BUDGET_BYTES "
+                            f"to join with theirs, or change it for all with `kvctl limit --global BYTES`")
+                    state.limit = limit
+        except BaseException:
+            os.close(self._fd)
+            raise
+        _open_records.add(self)
+
+    @staticmethod
+    def _open(path: str, create: bool) -> int:
+        folder = os.path.dirname(path) or "."
+        if create:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+        try:
+            fd = os.open(path, flags | (os.O_CREAT if create else 0), 0o600)
+        except FileNotFoundError:
+            raise ConfigError(f"no budget record at {path} (no engine has opened it yet)") from None
+        except OSError as e:
+            raise BudgetRecordError(f"cannot open the budget record {path}: {e.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                st = os.fstat(fd)
+                if st.st_size == 0 and create and st.st_uid == os.geteuid():  # new: ours by creation
+                    os.pwrite(fd, _encode(_State(None, 0)), 0)
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    # ---- reading ------------------------------------------------------------------------
+    def _read(self) -> _State:
+        st = os.fstat(self._fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BudgetRecordError(f"budget record {self.path} is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise BudgetRecordError(f"budget record {self.path} belongs to uid {st.st_uid}, not to this user "
+                                    f"(uid {os.geteuid()}); engines sharing a budget must run as one user")
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            raise BudgetRecordError(f"budget record {self.path} has mode {stat.S_IMODE(st.st_mode):o}; it must be "
+                                    "private to its user (0600)")
+        return _decode(os.pread(self._fd, RECORD_BYTES + 1, 0), self.path)
+
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise InvariantError(f"budget record {self.path} was opened by process {self._pid}; a forked child "
+                                 "must not change its charges (open a record of its own)")
+        if self._fd < 0:
+            raise InvariantError(f"budget record {self.path} is closed")
+
+    def snapshot(self) -> Snapshot:
+        """The record now, validated, with dead entries left out (nothing is changed)."""
+        self._check_process()
+        with self._lock:
+            fcntl.flock(self._fd, fcntl.LOCK_SH)
+            try:
+                state = self._read()
+                self._drop_dead(state)
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return Snapshot(self.path, state.limit, state.generation, tuple(s for s in state.slots if s),
+                        tuple(e for e in state.engines if e))
+
+    def _drop_dead(self, state: _State) -> bool:
+        """Forget entries whose owner is gone (no lock on their byte); True if any was."""
+        changed = False
+        for i, s in enumerate(state.slots):
+            if s is not None and i not in self._owned_slots and not _held_elsewhere(self._fd, _SLOT_LOCKS + i):
+                state.slots[i] = None
+                changed = True
+        for i, e in enumerate(state.engines):
+            if e is not None and i not in self._owned_engines and not _held_elsewhere(self._fd, _ENGINE_LOCKS + i):
+                state.engines[i] = None
+                changed = True
+        return changed
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[_State]:
+        """Exclusive read-modify-write; dead entries are reclaimed first. Writes only if the
+        body changed something and returned normally (a raising body changes nothing)."""
+        with self._lock:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                state = self._read()
+                reclaimed = self._drop_dead(state)
+                before = replace(state, slots=list(state.slots), engines=list(state.engines))
+                yield state
+                if reclaimed or state != before:
+                    state.generation += 1
+                    os.pwrite(self._fd, _encode(state), 0)
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    # ---- changing it ----------------------------------------------------------------------
+    def set_limit(self, limit: int | None) -> None:
+        """Set (or with None clear) the global limit, for every engine sharing the record.
+
+        Lowering it below the usage takes nothing back by itself: each engine over it gives
+        back its idle memory at its next step, and no charge fits until usage is under it.
+        """
+        if limit is not None and limit < 0:
+            raise ConfigError(f"a budget limit must be >= 0 bytes, got {limit}")
+        self._check_process()
+        with self._transaction() as state:
+            state.limit = limit
+
+    def set_engine_limit(self, name: str, limit: int | None) -> EngineInfo:
+        """Set (None: clear) the limit of the live engine ``name``; raises ConfigError if none."""
+        if limit is not None and limit < 0:
+            raise ConfigError(f"an engine limit must be >= 0 bytes, got {limit}")
+        self._check_process()
+        with self._transaction() as state:
+            for i, e in enumerate(state.engines):
+                if e is not None and e.name == name:
+                    state.engines[i] = replace(e, limit=limit)
+                    return state.engines[i]  # type: ignore[return-value]
+            names = sorted(e.name for e in state.engines if e)
+            raise ConfigError(f"no live engine named {name!r} in {self.path} (live: {', '.join(names) or 'none'})")
+
+    def slot(self, *, rank: int, device: str, label: str = "") -> Slot:
+        """Claim a slot for this process's charges (it lives until `Slot.close` or death)."""
+        self._check_process()
+        _fit(device, "device", 16)
+        _fit(label, "label")
+        with self._transaction() as state:
+            index = next((i for i, s in enumerate(state.slots) if s is None), None)
+            if index is None:
+                raise BudgetRecordError(f"budget record {self.path}: all {NUM_SLOTS} slots are held by live processes")
+            _ofd(self._fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK, _SLOT_LOCKS + index)
+            self._owned_slots.add(index)
+            state.slots[index] = SlotInfo(index, rank, os.getpid(), 0, time.time(), device, label)
+        return Slot(self, index)
+
+    def engine(self, name: str, slots: tuple[int, ...]) -> EngineRow:
+        """Register the engine ``name`` whose ranks charge ``slots``; a live engine of that
+        name is a `ConfigError` (names identify engines for ``kvctl``)."""
+        self._check_process()
+        _fit(name, "engine name")
+        with self._transaction() as state:
+            if any(e is not None and e.name == name for e in state.engines):
+                raise ConfigError(f"an engine named {name!r} is already live in {self.path}; "
+                                  "give this one another KVCACHED_ENGINE_NAME")
+            index = next((i for i, e in enumerate(state.engines) if e is None), None)
+            if index is None:
+                raise BudgetRecordError(f"budget record {self.path}: all {NUM_ENGINES} engine rows are live")
+            _ofd(self._fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK, _ENGINE_LOCKS + index)
+            self._owned_engines.add(index)
+            state.engines[index] = EngineInfo(index, name, os.getpid(), None, 0, 0, 0, tuple(sorted(slots)),
+                                              time.time())
+        return EngineRow(self, index, name)
+
+    def _release(self, offset: int) -> None:
+        with contextlib.suppress(OSError):
+            _ofd(self._fd, fcntl.F_OFD_SETLK, fcntl.F_UNLCK, offset)
+
+    def _forked(self) -> None:
+        """In a forked child: drop this copy of the descriptor, never the parent's locks."""
+        if self._fd >= 0 and os.getpid() != self._pid:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
+            self._owned_slots.clear()
+            self._owned_engines.clear()
+
+    def close(self) -> None:
+        """Give up every entry this handle owns and close it (idempotent; silent)."""
+        if self._fd < 0:
+            return
+        if os.getpid() != self._pid:
+            self._forked()
+            return
+        # A corrupt record: its entries die with the locks, released below.
+        with contextlib.suppress(BudgetRecordError), self._transaction() as state:
+            for i in self._owned_slots:
+                state.slots[i] = None
+            for i in self._owned_engines:
+                state.engines[i] = None
+        for i in self._owned_slots:
+            self._release(_SLOT_LOCKS + i)
+        for i in self._owned_engines:
+            self._release(_ENGINE_LOCKS + i)
+        self._owned_slots.clear()
+        self._owned_engines.clear()
+        os.close(self._fd)
+        self._fd = -1
+        _open_records.discard(self)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(eq=False)
+class Slot:
+    """This process's charges in one record (see `BudgetRecord.slot`)."""
+
+    record: BudgetRecord
+    index: int
+
+    def charge(self, nbytes: int) -> bool:
+        """Charge ``nbytes`` if they fit under the global limit; False (nothing charged) if not."""
+        if nbytes < 0:
+            raise InvariantError(f"charge({nbytes})")
+        self.record._check_process()
+        with self.record._transaction() as state:
+            mine = self._mine(state)
+            used = sum(s.charge for s in state.slots if s)
+            if state.limit is not None and used + nbytes > state.limit:
+                return False
+            state.slots[self.index] = replace(mine, charge=mine.charge + nbytes)
+            return True
+
+    def refund(self, nbytes: int) -> None:
+        """Give back ``nbytes`` of this slot's charge (more than it holds is an `InvariantError`)."""
+        self.record._check_process()
+        with self.record._transaction() as state:
+            mine = self._mine(state)
+            if not 0 <= nbytes <= mine.charge:
+                raise InvariantError(f"refund of {nbytes} bytes from slot {self.index} charged {mine.charge}")
+            state.slots[self.index] = replace(mine, charge=mine.charge - nbytes)
+
+    def available(self) -> int | None:
+        """Bytes still chargeable under the global limit (None: no limit)."""
+        return self.record.snapshot().available
+
+    def _mine(self, state: _State) -> SlotInfo:
+        mine = state.slots[self.index]
+        if mine is None:
+            raise InvariantError(f"budget record {self.record.path}: slot {self.index} was reclaimed while live")
+        return mine
+
+
+@dataclass(eq=False)
+class EngineRow:
+    """An engine's row (see `BudgetRecord.engine`): its limit, and what it publishes."""
+
+    record: BudgetRecord
+    index: int
+    name: str
+
+    def publish(self, *, mapped: int, in_use: int, reserved: int) -> Snapshot:
+        """Record the engine's bytes now; returns the record as it stands (one transaction)."""
+        self.record._check_process()
+        with self.record._transaction() as state:
+            mine = state.engines[self.index]
+            if mine is None:
+                raise InvariantError(f"budget record {self.record.path}: engine row {self.index} was reclaimed")
+            state.engines[self.index] = replace(mine, mapped=mapped, in_use=in_use, reserved=reserved,
+                                                updated=time.time())
+            slots, engines = tuple(s for s in state.slots if s), tuple(e for e in state.engines if e)
+            return Snapshot(self.record.path, state.limit, state.generation + 1, slots, engines)
+
+
+class LocalBudget:
+    """A budget of this process alone (tests, probes): the `Charger` protocol over a counter.
+
+    ``limit`` may be changed at any time; lowering it below ``used`` takes nothing back, it
+    only refuses charges until usage is under it (as the shared record does).
+    """
+
+    def __init__(self, limit: int | None) -> None:
+        if limit is not None and limit < 0:
+            raise ConfigError(f"a budget limit must be >= 0 bytes, got {limit}")
+        self.limit = limit
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def charge(self, nbytes: int) -> bool:
+        with self._lock:
+            if self.limit is not None and self.used + nbytes > self.limit:
+                return False
+            self.used += nbytes
+            return True
+
+    def refund(self, nbytes: int) -> None:
+        with self._lock:
+            if not 0 <= nbytes <= self.used:
+                raise InvariantError(f"refund of {nbytes} bytes from a budget charged {self.used}")
+            self.used -= nbytes
+
+    def available(self) -> int | None:
+        with self._lock:
+            return None if self.limit is None else max(0, self.limit - self.used)
+
+
+def _bytes(n: int | None) -> str:
+    return "none" if n is None else f"{n} bytes"
+
+
+def device_key(device: str) -> str:
+    """The record name of a device: ``host`` for the CPU (one host budget), else the GPU's UUID
+    (the same in every process, whatever ``CUDA_VISIBLE_DEVICES`` renumbers)."""
+    if device == "cpu":
+        return "host"
+    from kvcached import _vmm
+
+    index = 0 if device == "cuda" else int(device.partition(":")[2])
+    return _vmm.cuda_device_uuid(index).lower()
+
+
+def record_path(budget_path: str | None, device: str) -> str | None:
+    """Where ``device``'s record lives: ``KVCACHED_BUDGET_PATH`` (``off``: nowhere, no sharing),
+    else the per-user default (`default_path`)."""
+    if budget_path == "off":
+        return None
+    return budget_path or default_path(device_key(device))
+
+
+def open_slot(budget_path: str | None, limit: int | None, device: str, *, rank: int,
+              label: str = "") -> tuple[BudgetRecord, Slot] | None:
+    """Open ``device``'s record, asking for the global ``limit``, and claim a slot there
+    for this process; None when budgets are off. All or nothing."""
+    path = record_path(budget_path, device)
+    if path is None:
+        return None
+    record = BudgetRecord(path, limit=limit)
+    try:
+        return record, record.slot(rank=rank, device=device[:16], label=label)
+    except BaseException:
+        record.close()
+        raise
