@@ -146,7 +146,7 @@ def make_requests(count: int, batch: int) -> list[Request]:
 
 def elastic(geometry: Geometry, reserve: int, name: str) -> tuple[ElasticBlockPool, Any]:
     """A detached `ElasticBlockPool`, attached to a real CPU-backed `KvSpace`."""
-    vrange = VirtualRange("cpu", geometry.reserved_bytes[0], PAGE, None)
+    vrange = VirtualRange("cpu", geometry.reserved_bytes[0], PAGE)
     # No cached-block cap: both pools keep every freed cached block (native caching).
     config = KvcachedConfig(page_size=PAGE, min_reserve_pages=0, max_reserve_pages=reserve, max_cached_blocks=-1,
                             capacity_ttl_s=0.0, map_retries=0)

@@ -77,7 +77,7 @@ class ElasticArena:
         if faults is None:
             # An empty path means "no plan": only the config decides.
             faults = FaultInjector.from_env(config.fault_plan or "")
-        pool = PagePool(space.page_space(), config, fence=fence, faults=faults)
+        pool = PagePool(space.page_space(), config, fence=fence, faults=faults, limiter=space.limiter)
         pool.adopt(space.premapped)
         ledger = BlockLedger(space.geometry.num_blocks, space.geometry.blocks_per_page, pool, pinned)
         arena = cls(config, space, fence, faults, pool, ledger)
@@ -94,11 +94,20 @@ class ElasticArena:
         self.closed = True
         unregister(self.stats_key)
         self.stats_key = ""
-        self.pool.close()
+        try:
+            self.pool.close()
+        finally:
+            self._leave_budget()
 
     def abandon(self) -> None:
         """Leave the stats registry without unmapping: whoever held the pages is gone."""
         self.closed = True
         unregister(self.stats_key)
         self.stats_key = ""
+        self._leave_budget()
+
+    def _leave_budget(self) -> None:
+        """The engine's rows in its devices' budget records go (the ranks' slots are theirs)."""
+        if self.pool.limiter is not None:
+            self.pool.limiter.close()
 

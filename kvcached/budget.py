@@ -285,6 +285,9 @@ class BudgetRecord:
         self._owned_slots: set[int] = set()
         self._owned_engines: set[int] = set()
         self._fd = self._open(path, create)
+        # A handle dropped without `close` still closes its descriptor (its locks go, so
+        # its entries are reclaimed by the next transaction).
+        self._finalizer = weakref.finalize(self, os.close, self._fd)
         try:
             with self._transaction() as state:
                 live = any(state.slots) or any(state.engines)
@@ -296,7 +299,7 @@ class BudgetRecord:
                             f"to join with theirs, or change it for all with `kvctl limit --global BYTES`")
                     state.limit = limit
         except BaseException:
-            os.close(self._fd)
+            self._finalizer()
             raise
         _open_records.add(self)
 
@@ -454,7 +457,7 @@ class BudgetRecord:
         """In a forked child: drop this copy of the descriptor, never the parent's locks."""
         if self._fd >= 0 and os.getpid() != self._pid:
             with contextlib.suppress(OSError):
-                os.close(self._fd)
+                self._finalizer()  # this copy only: the parent's descriptor keeps the locks
             self._fd = -1
             self._owned_slots.clear()
             self._owned_engines.clear()
@@ -478,7 +481,7 @@ class BudgetRecord:
             self._release(_ENGINE_LOCKS + i)
         self._owned_slots.clear()
         self._owned_engines.clear()
-        os.close(self._fd)
+        self._finalizer()
         self._fd = -1
         _open_records.discard(self)
 
@@ -618,3 +621,72 @@ def open_slot(budget_path: str | None, limit: int | None, device: str, *, rank: 
     except BaseException:
         record.close()
         raise
+
+
+# ---- an engine's side: its limit in, its bytes out ---------------------------------------
+#: How often an engine reads its limits and publishes its bytes (its pool's `collect`).
+POLL_S = 0.1
+
+
+@dataclass(eq=False)
+class EngineShare:
+    """One engine's row in one device's record. ``page_bytes``: what one kv page of the
+    engine costs on that device (the kv page's bytes on each rank there, times those ranks)."""
+
+    row: EngineRow
+    page_bytes: int
+
+
+class EngineBudget:
+    """An engine's rows on the devices it maps on: the limits its pool must keep, in kv pages.
+
+    `poll` (the pool calls it after every step) publishes the engine's bytes and reads its
+    rows at most every `POLL_S`, or at once when pages were given back (so ``kvctl`` sees
+    an idle engine as it is). The answer is the most kv pages the engine may have mapped:
+    its own limit on each device, and, while a device's usage is over the global limit,
+    what it maps now less that excess (every engine there gives back idle memory until
+    the device is under it). None: no limit applies.
+    """
+
+    def __init__(self, shares: list[EngineShare], period_s: float = POLL_S) -> None:
+        self.shares = shares
+        self.period_s = period_s
+        self._last = -1.0
+        self._published: tuple[int, int, int] | None = None
+        self._limit: int | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.row.name for s in self.shares)
+
+    def poll(self, *, mapped: int, in_use: int, reserved: int) -> int | None:
+        """The engine's page limit now, given the pages it has ``mapped`` (``in_use`` +
+        ``reserved`` idle ones)."""
+        now = time.monotonic()
+        state = (mapped, in_use, reserved)
+        shrank = self._published is not None and mapped < self._published[0]
+        if now - self._last < self.period_s and not shrank:
+            return self._limit
+        self._last = now
+        limits: list[int] = []
+        for share in self.shares:
+            pb = share.page_bytes
+            if state != self._published:
+                snap = share.row.publish(mapped=mapped * pb, in_use=in_use * pb, reserved=reserved * pb)
+            else:
+                snap = share.row.record.snapshot()
+            mine = snap.engine(share.row.name)
+            if mine is not None and mine.limit is not None:
+                limits.append(mine.limit // pb)
+            if snap.limit is not None and snap.used > snap.limit:
+                limits.append(max(0, mapped - -(-(snap.used - snap.limit) // pb)))
+        self._published = state
+        self._limit = min(limits) if limits else None
+        return self._limit
+
+    def close(self) -> None:
+        """Leave every record (the rows go; the ranks' slots are theirs). Idempotent."""
+        records = {id(s.row.record): s.row.record for s in self.shares}
+        self.shares = []
+        for record in records.values():
+            record.close()

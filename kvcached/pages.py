@@ -16,6 +16,11 @@ same set of block ids in every layer.
 * a batch map is all-or-nothing: a failure in the middle unmaps what the batch mapped;
 * the physical-capacity query is cached for ``capacity_ttl_s`` and invalidated by this
   pool's own map/unmap, so only other processes' changes can be stale;
+* a *limit* (``limit_pages``, read from the ``limiter`` after every step: the engine's own
+  limit, or the device's global one while it is exceeded) bounds the mapped pages, refills
+  in flight included: capacity and refills stop at it, and `collect` gives back reserve
+  pages (as the fence allows) while the pool is over it. In-use pages are never taken:
+  `over_limit` says how many pages the reserve cannot cover, for the caller to empty;
 * a space whose maps are round trips to other processes (``DeferredMaps``: the ranks of a
   multiprocess engine) has its reserve refilled *ahead of demand* without waiting: the
   refill is sent, its pages are ``pending`` (neither in use nor in the reserve, never
@@ -63,6 +68,15 @@ class Charger(Protocol):
     def charge(self, nbytes: int) -> bool: ...
     def refund(self, nbytes: int) -> None: ...
     def available(self) -> int | None: ...
+
+
+class Limiter(Protocol):
+    """Where an engine's page limit comes from (`kvcached.budget.EngineBudget`): asked after
+    every step with what the pool has mapped; answers the most kv pages it may have mapped
+    (None: no limit)."""
+
+    def poll(self, *, mapped: int, in_use: int, reserved: int) -> int | None: ...
+    def close(self) -> None: ...
 
 
 class Confirmation(Protocol):
@@ -232,11 +246,14 @@ class PagePool:
         *,
         fence: StepFence | None = None,
         faults: FaultInjector | None = None,
+        limiter: Limiter | None = None,
     ) -> None:
         self.space = space
         self.config = config
         self.fence = fence if fence is not None else StepFence()
         self.faults = faults
+        self.limiter = limiter
+        self.limit_pages: int | None = None  # the limiter's last answer
         self._lock = threading.RLock()
         self.in_use: set[int] = set()
         self.reserve: dict[int, int] = {}  # kv page -> fence ticket of its release
@@ -313,10 +330,23 @@ class PagePool:
         with self._lock:
             now = time.monotonic()
             if self._capacity is not None and now - self._capacity[0] < self.config.capacity_ttl_s:
-                return self._capacity[1]
+                return min(self._capacity[1], self._room())
             pages = self.space.physical_available() // self.space.kv_page_bytes
             self._capacity = (now, pages)
-            return pages
+            return min(pages, self._room())
+
+    def _room(self) -> int:
+        """Pages the limit still allows (refills in flight count as mapped); large if none."""
+        if self.limit_pages is None:
+            return self.space.num_kv_pages
+        return max(0, self.limit_pages - len(self._mapped) - len(self.pending))
+
+    def over_limit(self) -> int:
+        """Pages mapped beyond the limit that the reserve cannot give back (in use)."""
+        with self._lock:
+            if self.limit_pages is None:
+                return 0
+            return max(0, len(self._mapped) + len(self.pending) - self.limit_pages - len(self.reserve))
 
     def counters(self) -> PoolCounters:
         """Counts; pages of a refill in flight count as mapped (they are, or are being)."""
@@ -521,7 +551,7 @@ class PagePool:
     def reserve_shortfall(self) -> int:
         """Pages the reserve lacks to reach its target (refills in flight count as there)."""
         with self._lock:
-            return max(0, self.reserve_target() - len(self.reserve) - len(self.pending))
+            return min(self._room(), max(0, self.reserve_target() - len(self.reserve) - len(self.pending)))
 
     def release(self, pages: Iterable[int]) -> None:
         """Pages with no held block go back to the reserve, ticketed by the fence."""
@@ -534,22 +564,52 @@ class PagePool:
                 self.reserve[page] = ticket
 
     def collect(self, keep: int | None = None) -> int:
-        """Unmap reserve pages above ``keep`` (default max_reserve_pages) whose ticket passed."""
+        """Unmap reserve pages above ``keep`` (default max_reserve_pages, less what the
+        pool is over its limit by) whose ticket passed."""
         with self._lock:
             self._confirm(wait=False)  # a refill in flight is never unmapped here
-            if keep is None:  # the end of a step: its takes set the pace (decaying by one a step)
-                self.pace = max(self._taken_this_step, self.pace - 1)
-                self._taken_this_step = 0
-            keep = self.config.max_reserve_pages if keep is None else keep
-            excess = len(self.reserve) - keep
-            if excess <= 0:
-                return 0
-            # Highest page indices first: block choice prefers low pages, so this keeps
-            # the mapped set compact.
-            ready = sorted((p for p, t in self.reserve.items() if self.fence.passed(t)), reverse=True)
-            victims = ready[:excess]
-            self._unmap(victims)
-            return len(victims)
+            if keep is not None:
+                return self._unmap_ready(keep)
+            # The end of a step: its takes set the pace (decaying by one a step), and the
+            # limit is read (and the pool's bytes published) for the next one.
+            self.pace = max(self._taken_this_step, self.pace - 1)
+            self._taken_this_step = 0
+            self._poll_limit()
+            return self._unmap_ready(self._under_limit(self.config.max_reserve_pages), publish=True)
+
+    def shed(self) -> int:
+        """Unmap the reserve pages (those the fence allows) the pool is over its limit by."""
+        with self._lock:
+            self._confirm(wait=False)
+            return self._unmap_ready(self._under_limit(len(self.reserve)), publish=True)
+
+    def _under_limit(self, keep: int) -> int:
+        """At most ``keep`` reserve pages, fewer while the pool is over its limit."""
+        if self.limit_pages is None:
+            return keep
+        over = len(self._mapped) + len(self.pending) - self.limit_pages
+        return max(0, min(keep, len(self.reserve) - over))
+
+    def _unmap_ready(self, keep: int, publish: bool = False) -> int:
+        """Unmap reserve pages above ``keep`` whose ticket passed; ``publish``: tell the
+        limiter what is left at once (the engine may go idle right after)."""
+        excess = len(self.reserve) - keep
+        if excess <= 0:
+            return 0
+        # Highest page indices first: block choice prefers low pages, so this keeps the
+        # mapped set compact.
+        ready = sorted((p for p, t in self.reserve.items() if self.fence.passed(t)), reverse=True)
+        victims = ready[:excess]
+        self._unmap(victims)
+        if victims and publish:
+            self._poll_limit()
+        return len(victims)
+
+    def _poll_limit(self) -> None:
+        if self.limiter is not None:
+            mapped = len(self._mapped) + len(self.pending)
+            self.limit_pages = self.limiter.poll(mapped=mapped, in_use=len(self.in_use),
+                                                 reserved=mapped - len(self.in_use))
 
     def trim(self) -> int:
         """Give back every idle page the fence allows."""

@@ -24,7 +24,7 @@ from typing import Any
 
 from kvcached.config import KvcachedConfig
 from kvcached.errors import ConfigError
-from kvcached.pages import Charger, KvPageSpace, PageSpace, Range
+from kvcached.pages import Charger, KvPageSpace, Limiter, PageSpace, Range
 
 #: Refuse geometries where one kv page would need more VMM pages than this per backing
 #: (a pathological block stride); the user should pick another page size instead.
@@ -134,6 +134,9 @@ class KvSpace:
     without one (tests, probes), whose pool must be given a config explicitly.
     ``charger``: where the local ranges' mapped bytes are charged (the device's budget
     record slot of this process, `kvcached.budget.Slot`), or None.
+    ``limiter``: where the engine's page limit comes from (its rows in its devices' budget
+    records, `kvcached.budget.EngineBudget`), or None; the pool over this space owns it
+    from `kvcached.arena.ElasticArena.open` on, and closes it with itself.
     Invariants: exactly one of ``ranges`` and ``pages``; ``config is None or
     config.page_size == geometry.page_size``.
     """
@@ -144,6 +147,7 @@ class KvSpace:
     config: KvcachedConfig | None = None
     pages: KvPageSpace | None = None
     charger: Charger | None = None
+    limiter: Limiter | None = None
 
     def __post_init__(self) -> None:
         if bool(self.ranges) == (self.pages is not None):

@@ -512,7 +512,7 @@ def test_copy_over_virtual_range_maps_only_touched_blocks(name: str) -> None:
     from kvcached.memory import tensor_view
 
     page = vmm.os_page_size()
-    vr = vmm.VirtualRange("cpu", 32 * page + (1 << 16), page, None)
+    vr = vmm.VirtualRange("cpu", 32 * page + (1 << 16), page)
     raw = tensor_view(vr, 0, vr.size, dtype=torch.int8)
     kv = _vmm_layouts(raw)[name]
     annotate(kv, 7)

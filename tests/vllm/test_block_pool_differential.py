@@ -47,14 +47,14 @@ DOCS = ((1, 2, 3, 4) * 3 + (5, 6, 7, 8) * 3, (9, 9, 9, 9, 1, 2, 3, 4) * 3)
 def make_elastic(num_blocks: int = NUM_BLOCKS, hash_block_size: int = HASH, *, caching: bool = True,
                  events: bool = True, budget: object | None = None, **cfg: object) -> tuple[ElasticBlockPool, object]:
     geometry = plan_geometry([STRIDE], num_blocks, PAGE)
-    vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE, budget)
+    vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE)
     # No cached-block cap (the default keeps 10% of the pool): the differential compares
     # against vLLM's own caching.
     config = KvcachedConfig(page_size=PAGE, **{"min_reserve_pages": 0, "max_reserve_pages": 0,
                                                "capacity_ttl_s": 0.0, "map_retries": 0,
                                                "max_cached_blocks": -1, **cfg})
     pool = ElasticBlockPool(num_gpu_blocks=num_blocks, enable_caching=caching, hash_block_size=hash_block_size,
-                            enable_kv_cache_events=events, kv_space=KvSpace(geometry, (vrange,)),
+                            enable_kv_cache_events=events, kv_space=KvSpace(geometry, (vrange,), charger=budget),  # type: ignore[arg-type]
                             config=config, faults=None, fence=StepFence(), name="test")
     return pool, vrange
 

@@ -149,8 +149,9 @@ _NO_DEMAND = _Demand(0, frozenset())
 
 
 #: Context of one ``allocate_slots`` call (set by the scheduler seam): watermark, reserved
-#: blocks, fault site. A plain tuple: it is built for every request of every step.
-_Admission = tuple[int, int, str]
+#: blocks, fault site, and whether the request is new (not running). A plain tuple: it is
+#: built for every request that needs admission work.
+_Admission = tuple[int, int, str, bool]
 
 
 class ElasticBlockPool(BlockPool):
@@ -289,8 +290,9 @@ class ElasticBlockPool(BlockPool):
         )
         self._demand = _Demand(num_blocks, protected) if num_blocks or protected else _NO_DEMAND
 
-    def begin_admission(self, watermark: int, reserved: int, site: str) -> _Admission | None:
-        """Enter one ``allocate_slots`` call: headroom for mapping and the fault site.
+    def begin_admission(self, watermark: int, reserved: int, site: str, new: bool = False) -> _Admission | None:
+        """Enter one ``allocate_slots`` call: headroom for mapping, the fault site, and whether
+        the request is new (waiting or preempted: refused while the pool is over its limit).
 
         Returns the enclosing admission, to be handed back to `end_admission` (the scheduler
         seam pairs them in ``try``/``finally``; `admission` is the same as a context manager).
@@ -298,7 +300,7 @@ class ElasticBlockPool(BlockPool):
         if site not in ADMISSION_SITES:
             raise InvariantError(f"unknown admission site {site!r}")
         previous = self._admission
-        self._admission = (watermark, reserved, site)
+        self._admission = (watermark, reserved, site, new)
         return previous
 
     def end_admission(self, previous: _Admission | None) -> None:
@@ -306,9 +308,9 @@ class ElasticBlockPool(BlockPool):
         self._demand = None
 
     @contextlib.contextmanager
-    def admission(self, *, watermark: int, reserved: int, site: str) -> Iterator[None]:
+    def admission(self, *, watermark: int, reserved: int, site: str, new: bool = False) -> Iterator[None]:
         """Scope of one ``allocate_slots`` call (`begin_admission` .. `end_admission`)."""
-        previous = self.begin_admission(watermark, reserved, site)
+        previous = self.begin_admission(watermark, reserved, site, new)
         try:
             yield
         finally:
@@ -320,8 +322,35 @@ class ElasticBlockPool(BlockPool):
             self.faults.trigger(name)
 
     def collect(self) -> int:
-        """Unmap idle pages the fence allows (called after each executed step)."""
-        return self.page_pool.collect()
+        """Unmap idle pages the fence allows (called after each executed step).
+
+        Over its limit (`PagePool.limit_pages`), the pool gives back idle reserve pages
+        first, then empties pages whose every held block is free but cached (fewest such
+        blocks first; they go out as the fence allows). Live blocks are never taken.
+        """
+        unmapped = self.page_pool.collect()
+        over = self.page_pool.over_limit()
+        if over > 0 and self._clean_idle_pages(over):
+            unmapped += self.page_pool.shed()
+        return unmapped
+
+    def _clean_idle_pages(self, pages: int) -> int:
+        """Make every free cached block of up to ``pages`` pages CLEAN, choosing pages none of
+        whose held blocks is live (cleaning them empties them), fewest blocks first."""
+        by_page: dict[int, list[int]] = {}
+        bpp = self.ledger.blocks_per_page
+        for idle in (self._cached, self._stranded):
+            for bid in idle:
+                by_page.setdefault(bid // bpp, []).append(bid)
+        held_on = self.ledger.held_on_page
+        idle_pages = sorted((p for p, blocks in by_page.items() if held_on(p) == len(blocks)),
+                            key=lambda p: (len(by_page[p]), p))[:pages]
+        self._clean([b for p in idle_pages for b in sorted(by_page[p])])
+        return len(idle_pages)
+
+    def _over_limit(self) -> bool:
+        limit = self.page_pool.limit_pages
+        return limit is not None and self.page_pool.num_mapped > limit
 
     # ---- counts ----------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -353,12 +382,17 @@ class ElasticBlockPool(BlockPool):
     def _admit(self, native: int, demand: _Demand) -> int:
         """The free count for one admission check, mapping (or reclaiming) what it needs."""
         adm = self._admission
-        watermark, reserved, site = adm if adm is not None else (0, 0, "")
+        watermark, reserved, site, new = adm if adm is not None else (0, 0, "", False)
         idle = self._backable(native, self.ledger.backed_free_count())
         # Hopeless checks map nothing: above num_gpu_blocks is MambaManager's "not this
         # step" sentinel, and beyond the native free count vLLM refuses anyway.
         if demand.blocks > self.num_gpu_blocks or demand.blocks + reserved > native:
             return idle
+        if new and demand.blocks > 0 and self._over_limit():
+            # Over its limit the engine admits nothing new until its usage is under it
+            # (running requests go on, on pages it has): a scheduling miss.
+            self.ledger.note_admission_miss()
+            return min(idle, demand.blocks + reserved - 1)
         if demand.blocks > 0 and adm is not None and self.faults is not None:
             try:
                 self.faults.check(site)

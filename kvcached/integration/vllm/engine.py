@@ -41,11 +41,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
+from kvcached.budget import NAME_BYTES, BudgetRecord, EngineBudget, EngineShare
 from kvcached.config import KvcachedConfig
 from kvcached.errors import IntegrationError, KvcachedError
 from kvcached.ranks import PageRequest, RankedPageSpace, RankLayout, RankReply, check_layouts
@@ -194,13 +196,55 @@ def prepare(core: Any, kv_cache_config: Any) -> None:
     channel = ExecutorChannel(executor, background=background)
     pages = RankedPageSpace(geometry, channel, len(replies), config.capacity_ttl_s)
     pages.note_available([RankReply(i, True, available_bytes=available) for i in range(len(replies))])
-    setattr(kv_cache_config, SPACE_ATTRIBUTE, KvSpace(geometry, premapped=premapped, config=config, pages=pages))
+    limiter = join_budgets(engine_name(core.vllm_config), [layout for layout, _ in replies], pages.kv_page_bytes)
+    setattr(kv_cache_config, SPACE_ATTRIBUTE, KvSpace(geometry, premapped=premapped, config=config, pages=pages,
+                                                      limiter=limiter))
     _logger.info(
         "kvcached: elastic KV cache active on %d rank(s) (%s): %d kv pages of %d bytes, %d blocks, "
         "VMM page %d bytes, reserve %d-%d pages, refills %s", len(replies), type(executor).__name__,
         geometry.num_kv_pages, pages.kv_page_bytes, geometry.num_blocks, geometry.page_size, config.min_reserve_pages,
         config.max_reserve_pages, "on a background thread" if background else
         ("inline" if runs_inline(executor) else "through the executor's queues"))
+
+
+def engine_name(vllm_config: Any) -> str:
+    """The engine's name in its budget records (``kvctl``): ``KVCACHED_ENGINE_NAME``, else the
+    served model's last path part and this process's PID (unique among live engines)."""
+    explicit = os.environ.get("KVCACHED_ENGINE_NAME", "").strip()
+    if explicit:
+        return explicit
+    model = getattr(vllm_config, "model_config", None)
+    served = getattr(model, "served_model_name", None) or getattr(model, "model", None) or "engine"
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else "engine"
+    suffix = f"-{os.getpid()}"
+    base = os.path.basename(str(served).rstrip("/")) or "engine"
+    return base.encode()[: NAME_BYTES - len(suffix)].decode(errors="ignore") + suffix
+
+
+def join_budgets(name: str, layouts: list[RankLayout], rank_page_bytes: int) -> EngineBudget | None:
+    """Register the engine ``name`` in the budget record of every device its ranks charge;
+    None when the ranks report none (budgets off). All or nothing."""
+    by_path: dict[str, list[int]] = {}
+    for layout in layouts:
+        if layout.budget is not None:
+            by_path.setdefault(layout.budget.path, []).append(layout.budget.slot)
+    if not by_path:
+        return None
+    shares: list[EngineShare] = []
+    try:
+        for path, slots in sorted(by_path.items()):
+            record = BudgetRecord(path, create=False)
+            try:
+                shares.append(EngineShare(record.engine(name, tuple(slots)), rank_page_bytes * len(slots)))
+            except BaseException:
+                record.close()
+                raise
+    except BaseException:
+        EngineBudget(shares).close()
+        raise
+    _logger.info("kvcached: engine %r in budget record(s) %s", name, ", ".join(sorted(by_path)))
+    return EngineBudget(shares)
 
 
 def attach(scheduler: Any) -> None:

@@ -234,11 +234,11 @@ def _wrap_allocate_slots(original: Callable[..., Any], count: Callable[..., int]
 
     running = RequestStatus.RUNNING
 
-    def admit(self: Any, pool: ElasticBlockPool, site: str, reserved: int,
+    def admit(self: Any, pool: ElasticBlockPool, site: str, reserved: int, request: Any,
               args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         coordinator = self.coordinator
         shadowing = _COUNT not in coordinator.__dict__  # False only inside a nested admission
-        previous = pool.begin_admission(self.watermark_blocks, reserved, site)
+        previous = pool.begin_admission(self.watermark_blocks, reserved, site, request.status is not running)
         if shadowing:
             setattr(coordinator, _COUNT, noter(coordinator, pool))
         try:
@@ -261,14 +261,14 @@ def _wrap_allocate_slots(original: Callable[..., Any], count: Callable[..., int]
                 num_new_tokens = args[1] if len(args) > 1 else kwargs["num_new_tokens"]
                 if pool.admit_running(num_new_tokens + kwargs.get("num_lookahead_tokens", 0)):
                     return original(self, *args, **kwargs)  # mapped already: nothing to admit
-            return admit(self, pool, "admission", 0, args, kwargs)
+            return admit(self, pool, "admission", 0, request, args, kwargs)
         num_new_computed_tokens, new_computed_blocks, reserved = reader.read(args, kwargs)
         request = args[0] if args else kwargs["request"]
         site = "admission"
         if _partial_prefix_hit(self, request, num_new_computed_tokens, new_computed_blocks):
             site = "cow_admission"
             pool.trigger("partial_prefix_hit")
-        return admit(self, pool, site, reserved, args, kwargs)
+        return admit(self, pool, site, reserved, request, args, kwargs)
 
     return allocate_slots
 
