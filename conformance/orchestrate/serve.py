@@ -99,7 +99,8 @@ class Server:
     port: int
     proc: subprocess.Popen[bytes]
     log_path: Path
-    start_s: float = 0.0
+    launched: float = 0.0  # time.monotonic() at launch
+    start_s: float = 0.0  # seconds from launch to healthy
 
     @property
     def url(self) -> str:
@@ -107,6 +108,11 @@ class Server:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, timeout_s: float = 240.0) -> None:
+        """Wait for ``/health``; `ServerError` (with the log's tail) if it exits or times out."""
+        self._wait_healthy(timeout_s)
+        self.start_s = time.monotonic() - self.launched
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -124,15 +130,31 @@ class Server:
         raise ServerError(f"{self.spec.label}: not healthy after {timeout_s:.0f} s:\n{self.log()[-3000:]}")
 
     def complete(self, prompt: Sequence[int], max_tokens: int, timeout_s: float = 120.0) -> list[int]:
+        return [int(t) for t in self._completion(prompt, max_tokens, timeout_s)["token_ids"]]
+
+    def complete_with_margins(self, prompt: Sequence[int], max_tokens: int,
+                              timeout_s: float = 120.0) -> tuple[list[int], list[float]]:
+        """The output tokens, and at each position the logprob margin of the greedy token
+        over the runner-up: where it is tiny, batch shape alone may flip the choice."""
+        choice = self._completion(prompt, max_tokens, timeout_s, logprobs=2)
+        margins = []
+        for top in choice["logprobs"]["top_logprobs"]:
+            best = sorted(top.values(), reverse=True)
+            margins.append(best[0] - best[1] if len(best) > 1 else float("inf"))
+        return [int(t) for t in choice["token_ids"]], margins
+
+    def _completion(self, prompt: Sequence[int], max_tokens: int, timeout_s: float,
+                    logprobs: int | None = None) -> dict:
         body = json.dumps({"model": SERVED_NAME, "prompt": list(prompt), "max_tokens": max_tokens,
-                           "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}).encode()
+                           "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
+                           **({"logprobs": logprobs} if logprobs else {})}).encode()
         req = urllib.request.Request(self.url + "/v1/completions", body, {"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as r:
                 doc = json.loads(r.read())
         except urllib.error.HTTPError as e:
             raise ServerError(f"{self.spec.label}: HTTP {e.code}: {e.read()[:500]!r}") from e
-        return [int(t) for t in doc["choices"][0]["token_ids"]]
+        return doc["choices"][0]
 
     def stop(self, timeout_s: float = 60.0) -> int:
         """SIGTERM (what a service manager sends), then SIGKILL if it does not exit in time."""
@@ -146,10 +168,9 @@ class Server:
         return int(self.proc.returncode)
 
 
-@contextmanager
-def serving(spec: ServerSpec, model_dir: Path, log_dir: Path, *, max_model_len: int = 1024,
-            kv_cache_bytes: int = 64 << 20, start_timeout_s: float = 240.0) -> Iterator[Server]:
-    """Start one `vllm serve` for ``spec``; stop it (and its process group) on exit."""
+def start_server(spec: ServerSpec, model_dir: Path, log_dir: Path, *, max_model_len: int = 1024,
+                 kv_cache_bytes: int = 64 << 20) -> Server:
+    """Launch one `vllm serve` for ``spec`` without waiting for it (``wait_healthy`` does)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port, log_path = _free_port(), log_dir / f"{spec.label}.log"
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
@@ -157,14 +178,19 @@ def serving(spec: ServerSpec, model_dir: Path, log_dir: Path, *, max_model_len: 
            "--dtype", "float32", "--block-size", "16", "--enable-prefix-caching", "--enforce-eager",
            "--seed", "0", "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_bytes),
            "--tensor-parallel-size", str(spec.tensor_parallel), "--disable-log-stats", *spec.extra_args]
-    t0 = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_server_env(spec),
                                 start_new_session=True)
-    server = Server(spec, port, proc, log_path)
+    return Server(spec, port, proc, log_path, launched=time.monotonic())
+
+
+@contextmanager
+def serving(spec: ServerSpec, model_dir: Path, log_dir: Path, *, max_model_len: int = 1024,
+            kv_cache_bytes: int = 64 << 20, start_timeout_s: float = 240.0) -> Iterator[Server]:
+    """Start one `vllm serve` for ``spec``; stop it (and its process group) on exit."""
+    server = start_server(spec, model_dir, log_dir, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes)
     try:
-        server._wait_healthy(start_timeout_s)
-        server.start_s = time.monotonic() - t0
+        server.wait_healthy(start_timeout_s)
         yield server
     finally:
         server.stop()

