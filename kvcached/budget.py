@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import stat
 import struct
@@ -72,7 +73,9 @@ _HEADER = struct.Struct("<8sHHHHIQQI20x")
 _SLOT = struct.Struct("<B3xiIQd16s48s")
 # engine: used, pid, limit, mapped, in_use, reserved, slot mask, updated, name
 _ENGINE = struct.Struct("<B3xIQQQQQd48s")
-RECORD_BYTES = _HEADER.size + NUM_SLOTS * _SLOT.size + NUM_ENGINES * _ENGINE.size
+_SLOTS_AT = _HEADER.size
+_ENGINES_AT = _SLOTS_AT + NUM_SLOTS * _SLOT.size
+RECORD_BYTES = _ENGINES_AT + NUM_ENGINES * _ENGINE.size
 _CRC_AT = _HEADER.size - 24  # offset of the crc field inside the header
 # Lock bytes lie past the end of the file: a lock there guards nothing but liveness.
 _SLOT_LOCKS = RECORD_BYTES + 64
@@ -181,43 +184,54 @@ def _decode(data: bytes, path: str) -> _State:
     if zlib.crc32(data[:_CRC_AT] + b"\0\0\0\0" + data[_CRC_AT + 4:]) != crc:
         raise BudgetRecordError(f"budget record {path} fails its checksum (corrupt record)")
     state = _State(None if limit == NO_LIMIT else limit, gen)
-    at = _HEADER.size
-    for i, (used, rank, pid, charge, started, dev, label) in enumerate(_SLOT.iter_unpack(
-            data[at:at + NUM_SLOTS * _SLOT.size])):
-        if used not in (0, 1) or charge > NO_LIMIT // 2:
+    # Only live entries are unpacked: their "used" bytes, read in one slice, say which.
+    for i in _used(data, _SLOTS_AT, _SLOT.size, NUM_SLOTS, "slot", path):
+        _, rank, pid, charge, started, dev, label = _SLOT.unpack_from(data, _SLOTS_AT + i * _SLOT.size)
+        if charge > NO_LIMIT // 2:
             raise BudgetRecordError(f"budget record {path}: slot {i} is corrupt")
-        if used:
-            state.slots[i] = SlotInfo(i, rank, pid, charge, started, _text(dev, "a device", path),
-                                      _text(label, "a label", path))
-    at += NUM_SLOTS * _SLOT.size
-    for i, (used, pid, lim, mapped, in_use, reserved, mask, updated, name) in enumerate(_ENGINE.iter_unpack(
-            data[at:])):
-        if used not in (0, 1) or mask >> NUM_SLOTS:
+        state.slots[i] = SlotInfo(i, rank, pid, charge, started, _text(dev, "a device", path),
+                                  _text(label, "a label", path))
+    for i in _used(data, _ENGINES_AT, _ENGINE.size, NUM_ENGINES, "engine row", path):
+        _, pid, lim, mapped, in_use, reserved, mask, updated, name = _ENGINE.unpack_from(
+            data, _ENGINES_AT + i * _ENGINE.size)
+        if mask >> NUM_SLOTS:
             raise BudgetRecordError(f"budget record {path}: engine row {i} is corrupt")
-        if used:
-            slots = tuple(s for s in range(NUM_SLOTS) if mask >> s & 1)
-            state.engines[i] = EngineInfo(i, _text(name, "an engine name", path), pid,
-                                          None if lim == NO_LIMIT else lim, mapped, in_use, reserved, slots, updated)
+        slots = tuple(s for s in range(NUM_SLOTS) if mask >> s & 1)
+        state.engines[i] = EngineInfo(i, _text(name, "an engine name", path), pid,
+                                      None if lim == NO_LIMIT else lim, mapped, in_use, reserved, slots, updated)
     return state
 
 
+def _used(data: bytes, at: int, size: int, count: int, what: str, path: str) -> list[int]:
+    """Indices of the live entries of a table (each entry's first byte: 0 free, 1 live)."""
+    flags = data[at:at + count * size:size]
+    if flags.count(0) + flags.count(1) != count:
+        bad = next(i for i, f in enumerate(flags) if f > 1)
+        raise BudgetRecordError(f"budget record {path}: {what} {bad} is corrupt")
+    return [i for i, f in enumerate(flags) if f]
+
+
+_FREE_SLOT, _FREE_ENGINE = bytes(_SLOT.size), bytes(_ENGINE.size)
+
+
+@functools.lru_cache(maxsize=4 * (NUM_SLOTS + NUM_ENGINES))
+def _slot_bytes(s: SlotInfo) -> bytes:
+    return _SLOT.pack(1, s.rank, s.pid, s.charge, s.started, _fit(s.device, "device", 16), _fit(s.label, "label"))
+
+
+@functools.lru_cache(maxsize=4 * (NUM_SLOTS + NUM_ENGINES))
+def _engine_bytes(e: EngineInfo) -> bytes:
+    return _ENGINE.pack(1, e.pid, NO_LIMIT if e.limit is None else e.limit, e.mapped, e.in_use, e.reserved,
+                        sum(1 << s for s in e.slots), e.updated, _fit(e.name, "engine name"))
+
+
 def _encode(state: _State) -> bytes:
-    out = bytearray(RECORD_BYTES)
+    """The record's bytes (entries are immutable, so each one's bytes are packed once)."""
     limit = NO_LIMIT if state.limit is None else state.limit
-    _HEADER.pack_into(out, 0, MAGIC, VERSION, _HEADER.size, NUM_SLOTS, NUM_ENGINES, os.geteuid(), limit,
-                      state.generation, 0)
-    at = _HEADER.size
-    for s in state.slots:
-        if s is not None:
-            _SLOT.pack_into(out, at, 1, s.rank, s.pid, s.charge, s.started, _fit(s.device, "device", 16),
-                            _fit(s.label, "label"))
-        at += _SLOT.size
-    for e in state.engines:
-        if e is not None:
-            mask = sum(1 << s for s in e.slots)
-            _ENGINE.pack_into(out, at, 1, e.pid, NO_LIMIT if e.limit is None else e.limit, e.mapped, e.in_use,
-                              e.reserved, mask, e.updated, _fit(e.name, "engine name"))
-        at += _ENGINE.size
+    out = bytearray(_HEADER.pack(MAGIC, VERSION, _HEADER.size, NUM_SLOTS, NUM_ENGINES, os.geteuid(), limit,
+                                 state.generation, 0))
+    out += b"".join(_FREE_SLOT if s is None else _slot_bytes(s) for s in state.slots)
+    out += b"".join(_FREE_ENGINE if e is None else _engine_bytes(e) for e in state.engines)
     struct.pack_into("<I", out, _CRC_AT, zlib.crc32(out))
     return bytes(out)
 
@@ -284,6 +298,7 @@ class BudgetRecord:
         self._pid = os.getpid()
         self._owned_slots: set[int] = set()
         self._owned_engines: set[int] = set()
+        self._decoded: tuple[bytes, _State] | None = None  # the last bytes read, validated and decoded
         self._fd = self._open(path, create)
         # A handle dropped without `close` still closes its descriptor (its locks go, so
         # its entries are reclaimed by the next transaction).
@@ -339,7 +354,11 @@ class BudgetRecord:
         if stat.S_IMODE(st.st_mode) & 0o077:
             raise BudgetRecordError(f"budget record {self.path} has mode {stat.S_IMODE(st.st_mode):o}; it must be "
                                     "private to its user (0600)")
-        return _decode(os.pread(self._fd, RECORD_BYTES + 1, 0), self.path)
+        data = os.pread(self._fd, RECORD_BYTES + 1, 0)
+        if self._decoded is None or data != self._decoded[0]:
+            self._decoded = (data, _decode(data, self.path))  # the same bytes decode the same
+        state = self._decoded[1]
+        return _State(state.limit, state.generation, list(state.slots), list(state.engines))
 
     def _check_process(self) -> None:
         if os.getpid() != self._pid:
@@ -387,7 +406,9 @@ class BudgetRecord:
                 yield state
                 if reclaimed or state != before:
                     state.generation += 1
-                    os.pwrite(self._fd, _encode(state), 0)
+                    data = _encode(state)
+                    os.pwrite(self._fd, data, 0)
+                    self._decoded = (data, replace(state, slots=list(state.slots), engines=list(state.engines)))
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 

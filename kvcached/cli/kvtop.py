@@ -62,6 +62,8 @@ def render(views: list[DeviceView], width: int = 120):  # -> rich.console.Group
             table.add_row(name, human(e.mapped), human(e.reserved), human(e.limit), _bar(e, scale, bar))
         if v.unclaimed:
             table.add_row("[dim](ranks starting)[/]", human(v.unclaimed), "", "", "")
+        if not v.engines and not v.unclaimed:
+            table.add_row("[dim](no engine running)[/]", "", "", "", "")
         limit = human(v.limit) if v.limit is not None else "no global limit"
         over = v.limit is not None and v.used > v.limit
         title = (f"{v.device}: {human(v.used)} used of {limit}" + (" [bold red]OVER[/]" if over else "")
