@@ -7,6 +7,7 @@ at import time, so two pools in one process may use different configs.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -44,12 +45,15 @@ def _parse_float(name: str, raw: str, lo: float, hi: float | None) -> float:
         value = float(raw.strip())
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if not math.isfinite(value):
+        raise ConfigError(f"{name}={raw!r} is not a finite number")
     _check_range(name, value, lo, hi)
     return value
 
 
 def _check_range(name: str, value: float, lo: float, hi: float | None) -> None:
-    if value < lo or (hi is not None and value > hi):
+    # Written so that nan fails too (every comparison with nan is false).
+    if not (lo <= value and (hi is None or value <= hi)):
         upper = "inf" if hi is None else str(hi)
         raise ConfigError(f"{name}={value} is out of range; accepted range is [{lo}, {upper}]")
 
@@ -174,8 +178,12 @@ class KvcachedConfig:
                 values[name] = raw.strip().lower()
             else:
                 values[name] = raw or None
-        if "KVCACHED_PAGE_SIZE_MB" in env and "page_size" not in values:
-            values["page_size"] = _parse_int("KVCACHED_PAGE_SIZE_MB", env["KVCACHED_PAGE_SIZE_MB"], 1, 1 << 14) * MiB
+        if "KVCACHED_PAGE_SIZE_MB" in env and "page_size" not in explicit:
+            mib = _parse_int("KVCACHED_PAGE_SIZE_MB", env["KVCACHED_PAGE_SIZE_MB"], 1, 1 << 14)
+            if "page_size" in values and values["page_size"] != mib * MiB:
+                raise ConfigError(f"KVCACHED_PAGE_SIZE_MB={mib} disagrees with KVCACHED_PAGE_SIZE="
+                                  f"{values['page_size']}; set one of them")
+            values["page_size"] = mib * MiB
         config = cls(**values)
         config.validate()
         return config
@@ -195,8 +203,10 @@ class KvcachedConfig:
                 f"KVCACHED_MIN_RESERVE_PAGES={self.min_reserve_pages} exceeds "
                 f"KVCACHED_MAX_RESERVE_PAGES={self.max_reserve_pages}"
             )
-        if self.capacity_ttl_s < 0 or self.retry_backoff_s < 0:
-            raise ConfigError("KVCACHED_CAPACITY_TTL_MS and KVCACHED_RETRY_BACKOFF_MS must be >= 0")
+        for name in ("capacity_ttl_s", "retry_backoff_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{_ENV[name][0]}: {value!r} seconds must be a finite number >= 0")
         if self.budget_bytes is not None and self.budget_bytes < 0:
             raise ConfigError(f"KVCACHED_BUDGET_BYTES={self.budget_bytes} must be >= 0")
         if self.background_refill not in BACKGROUND_REFILL:

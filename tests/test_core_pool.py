@@ -234,3 +234,27 @@ def test_reserve_keeps_the_pace_of_recent_steps_within_the_watermarks():
     pool.acquire([9, 10, 11, 12, 13, 14])
     pool.collect()
     assert pool.pace == 6 and pool.reserve_target() == 4, "never above the max watermark"
+
+
+@pytest.mark.parametrize("var", ["KVCACHED_CAPACITY_TTL_MS", "KVCACHED_RETRY_BACKOFF_MS"])
+@pytest.mark.parametrize("raw", ["nan", "NaN", "inf", "-inf", "-1", "1e400"])
+def test_non_finite_or_negative_times_are_refused(var: str, raw: str) -> None:
+    """``nan`` passed every range check (comparisons with nan are false) and then broke the
+    retry path with a ValueError; ``inf`` would wait forever."""
+    with pytest.raises(ConfigError, match=var):
+        KvcachedConfig.resolve(env={var: raw})
+
+
+def test_explicit_non_finite_times_are_refused() -> None:
+    for name in ("capacity_ttl_s", "retry_backoff_s"):
+        with pytest.raises(ConfigError):
+            KvcachedConfig.resolve(env={}, **{name: float("nan")})
+
+
+def test_page_size_aliases_must_agree() -> None:
+    """``KVCACHED_PAGE_SIZE_MB`` was silently ignored beside ``KVCACHED_PAGE_SIZE``."""
+    with pytest.raises(ConfigError, match=r"KVCACHED_PAGE_SIZE_MB=4.*KVCACHED_PAGE_SIZE=2097152"):
+        KvcachedConfig.resolve(env={"KVCACHED_PAGE_SIZE": str(2 << 20), "KVCACHED_PAGE_SIZE_MB": "4"})
+    agreed = KvcachedConfig.resolve(env={"KVCACHED_PAGE_SIZE": str(4 << 20), "KVCACHED_PAGE_SIZE_MB": "4"})
+    assert agreed.page_size == 4 << 20
+    assert KvcachedConfig.resolve(env={"KVCACHED_PAGE_SIZE_MB": "4"}).page_size == 4 << 20
