@@ -192,3 +192,45 @@ class FaultInjector:
         tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"fired": self._fired, "triggers": sorted(self._triggers)}))
         os.replace(tmp, out)
+
+
+# ---- the backend seam ----------------------------------------------------------------------
+class FailingRange:
+    """The backend fault seam: a backing whose calls fail on purpose, one call at a time.
+
+    Wraps a real backing (`kvcached._vmm.VirtualRange`, any `kvcached.pages.Range`) and
+    delegates everything to it, except that `fail_call` makes the ``nth`` next call of ``op``
+    (``"map"`` or ``"unmap"``) raise ``error`` before the backing is touched: the error path
+    of every caller above runs against real memory, for one backing at a time.
+    """
+
+    OPS = ("map", "unmap")
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self._planned: dict[str, list[tuple[int, BaseException]]] = {op: [] for op in self.OPS}
+        self.calls = {op: 0 for op in self.OPS}
+
+    def fail_call(self, op: str, nth: int, error: BaseException) -> None:
+        """Make the ``nth`` next call (1: the very next) of ``op`` raise ``error``."""
+        if op not in self.OPS or nth < 1:
+            raise ConfigError(f"fail_call({op!r}, {nth}): op must be one of {self.OPS} and nth >= 1")
+        self._planned[op].append((self.calls[op] + nth, error))
+
+    def _check(self, op: str) -> None:
+        self.calls[op] += 1
+        for due, error in list(self._planned[op]):
+            if due == self.calls[op]:
+                self._planned[op].remove((due, error))
+                raise error
+
+    def map(self, pages: object) -> None:
+        self._check("map")
+        self.inner.map(pages)  # type: ignore[attr-defined]
+
+    def unmap(self, pages: object) -> None:
+        self._check("unmap")
+        self.inner.unmap(pages)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)

@@ -392,6 +392,8 @@ class BlockLedger:
             page_takes=c.takes,
             reserve_hits=c.reserve_hits,
             blocking_maps=c.blocking_maps,
+            unmap_failures=c.unmap_failures,
+            quarantined_pages=c.quarantined_pages,
         )
 
     def note_admission_miss(self) -> None:

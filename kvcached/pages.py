@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvcached.config import KvcachedConfig
-from kvcached.errors import ConfigError, InvariantError, PhysicalMemoryExhausted
+from kvcached.errors import BackendError, ConfigError, InvariantError, PhysicalMemoryExhausted
 from kvcached.faults import FaultInjector
 from kvcached.fence import StepFence
 
@@ -57,6 +57,7 @@ class Range(Protocol):
     def num_pages(self) -> int: ...
     @property
     def num_mapped(self) -> int: ...
+    def is_mapped(self, page: int) -> bool: ...
     def map(self, pages: Sequence[int]) -> None: ...
     def unmap(self, pages: Sequence[int]) -> None: ...
     def physical_available(self) -> int: ...
@@ -160,24 +161,17 @@ class PageSpace:
         k = self.vmm_pages_per_kv_page[r]
         return range(kv_page * k, (kv_page + 1) * k)
 
-    def _map_page(self, kv_page: int) -> None:
-        """Map one kv page in every range; all-or-nothing across ranges."""
-        done: list[int] = []
-        try:
-            for r, vrange in enumerate(self.ranges):
-                vrange.map(list(self.vmm_pages(r, kv_page)))
-                done.append(r)
-        except BaseException:
-            for r in reversed(done):
-                self.ranges[r].unmap(list(self.vmm_pages(r, kv_page)))
-            raise
-
     def mapped_bytes(self) -> int:
         """Bytes mapped in this space's ranges, as they report it."""
         return sum(r.num_mapped * r.page_size for r in self.ranges)
 
     def map_pages(self, kv_pages: Sequence[int]) -> None:
-        """Map every page of the batch in every range; all-or-nothing across the batch."""
+        """Map every page of the batch in every range; all-or-nothing across the batch.
+
+        On a failure the batch is unmapped in every backing that mapped any of it. If that
+        undo fails too, its error is raised (chained to the first) and the pages it could
+        not unmap are still mapped somewhere: `still_mapped` names them, and the caller
+        must not treat them as free (`PagePool` quarantines them)."""
         if not kv_pages:
             return
         charged = 0
@@ -188,21 +182,32 @@ class PageSpace:
                     f"physical budget exhausted mapping {len(kv_pages)} kv page(s) of {self.kv_page_bytes} bytes: "
                     f"{self.charger.available()} bytes available")
         done: list[int] = []
+        partly: list[int] = []  # the backings that mapped the page in progress
         try:
             for page in kv_pages:
-                self._map_page(page)
+                partly = []
+                for r, vrange in enumerate(self.ranges):
+                    vrange.map(list(self.vmm_pages(r, page)))
+                    partly.append(r)
                 done.append(page)
         except BaseException:
             try:
-                self._unmap(done)
+                # Only what this call mapped: the whole pages, and the page in progress in
+                # the backings that took it.
+                self._unmap_each([[*done, page] if r in partly else done for r in range(len(self.ranges))])
             finally:
                 if self.charger is not None:  # keep what is still mapped charged, refund the rest
                     self.charger.refund(charged - (self.mapped_bytes() - before))
             raise
 
-    def unmap_pages(self, kv_pages: Sequence[int]) -> None:
+    def unmap_pages(self, kv_pages: Sequence[int], *, strict: bool = True) -> None:
+        """Unmap ``kv_pages`` in every backing. ``strict``: a page no backing maps is an
+        `InvariantError`, raised before anything is unmapped; a retry after a partial failure
+        passes False (what is left is unmapped, what is gone is skipped)."""
         if not kv_pages:
             return
+        if strict and (lost := [p for p in kv_pages if not self.still_mapped([p])]):
+            raise InvariantError(f"kv pages {lost} are not mapped in any backing")
         before = self.mapped_bytes() if self.charger is not None else 0
         try:
             self._unmap(kv_pages)
@@ -210,10 +215,29 @@ class PageSpace:
             if self.charger is not None:  # what was unmapped, even if another range then failed
                 self.charger.refund(before - self.mapped_bytes())
 
+    def still_mapped(self, kv_pages: Sequence[int]) -> list[int]:
+        """Those of ``kv_pages`` that some backing still maps (any of their VMM pages)."""
+        return [p for p in kv_pages
+                if any(vrange.is_mapped(v) for r, vrange in enumerate(self.ranges) for v in self.vmm_pages(r, p))]
+
     def _unmap(self, kv_pages: Sequence[int]) -> None:
-        if kv_pages:
-            for r, vrange in enumerate(self.ranges):
-                vrange.unmap([v for p in kv_pages for v in self.vmm_pages(r, p)])
+        self._unmap_each([kv_pages] * len(self.ranges))
+
+    def _unmap_each(self, kv_pages: Sequence[Sequence[int]]) -> None:
+        """Unmap in each backing ``r`` what it still maps of ``kv_pages[r]``. Every backing
+        is tried even after one fails (the first error is raised after), and a page already
+        unmapped in a backing is skipped there: a retry after a partial failure finishes."""
+        first: BaseException | None = None
+        for r, vrange in enumerate(self.ranges):
+            wanted = [v for p in kv_pages[r] for v in self.vmm_pages(r, p) if vrange.is_mapped(v)]
+            if not wanted:
+                continue
+            try:
+                vrange.unmap(wanted)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the other backings
+                first = first or exc
+        if first is not None:
+            raise first
 
     def physical_available(self) -> int:
         """Bytes this space could still map: the device's free memory, at most the budget's."""
@@ -234,6 +258,8 @@ class PoolCounters:
     takes: int = 0  # pages made in use
     reserve_hits: int = 0  # ... that were mapped already (no driver call, no wait)
     blocking_maps: int = 0  # pages mapped, or waited for, on the caller's path
+    unmap_failures: int = 0  # unmap batches a backing refused (their pages quarantined)
+    quarantined_pages: int = 0  # pages whose unmap failed somewhere, until a retry succeeds
 
 
 class PagePool:
@@ -259,7 +285,10 @@ class PagePool:
         self.reserve: dict[int, int] = {}  # kv page -> fence ticket of its release
         self.pending: dict[int, Confirmation] = {}  # kv page -> its refill in flight
         self._capacity: tuple[float, int] | None = None  # (time, kv pages) cache
-        self._maps = self._unmaps = self._failures = 0
+        self._maps = self._unmaps = self._failures = self._unmap_failures = 0
+        #: Pages an unmap failed for in some backing: neither in use nor in the reserve, never
+        #: handed out or mapped again (they stay in the mapped set), retried by `collect`.
+        self.quarantined: set[int] = set()
         self._takes = self._hits = self._blocking = 0
         # The reserve's pace: pages taken per step lately (`collect` ends a step). Refills
         # keep that many pages ahead, between the min and max watermarks, so a step whose
@@ -276,10 +305,11 @@ class PagePool:
     # ---- queries -------------------------------------------------------------------
     @property
     def mapped(self) -> set[int]:
-        """A copy of the mapped set (``in_use | reserve``), refills whose replies are in included."""
+        """A copy of the usable mapped set (``in_use | reserve``), refills whose replies are in
+        included; quarantined pages are not usable."""
         with self._lock:
             self._confirm(wait=False)
-            return set(self._mapped)
+            return self._mapped - self.quarantined
 
     @property
     def num_mapped(self) -> int:
@@ -321,9 +351,10 @@ class PagePool:
             self._confirm(wait=False)
 
     def is_mapped(self, page: int) -> bool:
+        """Whether ``page`` is mapped and usable (in use or in the reserve; not quarantined)."""
         with self._lock:
             self._confirm(wait=False)
-            return page in self._mapped
+            return page in self._mapped and page not in self.quarantined
 
     def capacity_pages(self) -> int:
         """kv pages this pool could map now (cached for ``capacity_ttl_s``)."""
@@ -355,7 +386,8 @@ class PagePool:
             return PoolCounters(self._maps + pending, self._unmaps, self._failures,
                                 len(self.in_use) + len(self.reserve) + pending,
                                 max(self._peak, len(self.in_use) + len(self.reserve) + pending),
-                                len(self.reserve) + pending, self._takes, self._hits, self._blocking)
+                                len(self.reserve) + pending, self._takes, self._hits, self._blocking,
+                                self._unmap_failures, len(self.quarantined))
 
     # ---- mechanism -----------------------------------------------------------------
     def _map_batch(self, pages: Sequence[int]) -> None:
@@ -372,9 +404,10 @@ class PagePool:
                 for _ in pages:
                     self.faults.check("map")
             self.space.map_pages(pages)
-        except PhysicalMemoryExhausted:
+        except BackendError:  # exhaustion, or a driver error: nothing of the batch is usable
             self._failures += 1
             self._capacity = None
+            self._quarantine_stuck(pages)
             raise
         self._capacity = None
         self._maps += len(pages)
@@ -420,7 +453,7 @@ class PagePool:
                 del self.pending[page]
             try:
                 conf.result()
-            except PhysicalMemoryExhausted:
+            except BackendError:  # refused on some rank: undone on every rank (the protocol)
                 self._failures += 1
                 self._capacity = None
                 continue
@@ -456,14 +489,29 @@ class PagePool:
         return True
 
     def _unmap(self, pages: list[int]) -> None:
+        """Unmap reserve ``pages``. If a backing (or a rank) refuses, the pages are
+        quarantined instead: out of the reserve, never handed out or mapped again, still
+        charged (the memory is still held somewhere), and retried by `collect`. The failure
+        is counted (``unmap_failures``), not raised: the engine goes on without those pages."""
         if not pages:
             return
-        self.space.unmap_pages(pages)
         for page in pages:
             del self.reserve[page]
+        self._capacity = None
+        if self._watcher is not None:
+            self._watcher((), pages)  # the ledger stops counting their blocks either way
+        try:
+            self.space.unmap_pages(pages)
+        except BackendError:
+            self._unmap_failures += 1
+            self.quarantined.update(pages)
+            return
+        self._forget(pages)
+
+    def _forget(self, pages: Sequence[int]) -> None:
+        """``pages`` are unmapped in every backing: they may be mapped again."""
         self._mapped.difference_update(pages)
         self._unmaps += len(pages)
-        self._capacity = None
         heap = self._unmapped_heap
         if len(heap) + len(pages) > 2 * self.space.num_kv_pages + 64:
             # Too many stale entries: rebuild (amortized over as many unmaps).
@@ -471,8 +519,36 @@ class PagePool:
         else:
             for page in pages:
                 heapq.heappush(heap, page)
-        if self._watcher is not None:
-            self._watcher((), pages)
+
+    def _unmap_space(self, pages: Sequence[int], strict: bool) -> None:
+        if isinstance(self.space, PageSpace):
+            self.space.unmap_pages(pages, strict=strict)
+        else:  # the ranks keep their own books (`kvcached.ranks.RankPages`): a retry is theirs
+            self.space.unmap_pages(pages)
+
+    def _quarantine_stuck(self, pages: Sequence[int]) -> None:
+        """After a failed map whose undo failed too: pages a backing still maps are
+        quarantined (never handed out, retried by `collect`) instead of looking free."""
+        still_mapped = getattr(self.space, "still_mapped", None)  # ranks undo their own (`kvcached.ranks`)
+        stuck = still_mapped(pages) if still_mapped is not None else []
+        if stuck:
+            self._unmap_failures += 1
+            self._mapped.update(stuck)
+            self.quarantined.update(stuck)
+
+    def _retry_quarantine(self) -> None:
+        """Unmap the quarantined pages again (each backing unmaps what it still maps)."""
+        if not self.quarantined:
+            return
+        pages = sorted(self.quarantined)
+        try:
+            self._unmap_space(pages, strict=False)
+        except BackendError:
+            self._unmap_failures += 1
+            return
+        self.quarantined.clear()
+        self._capacity = None
+        self._forget(pages)
 
     # ---- policy --------------------------------------------------------------------
     def acquire(self, pages: Iterable[int], *, wait: bool = False) -> None:
@@ -537,11 +613,11 @@ class PagePool:
                 try:
                     self._map_batch(missing)
                     mapped = len(missing)
-                except PhysicalMemoryExhausted:
+                except BackendError:  # short of memory, or a driver error: one page at a time
                     for page in missing:
                         try:
                             self._map_batch([page])
-                        except PhysicalMemoryExhausted:
+                        except BackendError:
                             break
                         mapped += 1
             self._blocking += len(self._waits_for(in_flight)) + mapped
@@ -574,6 +650,7 @@ class PagePool:
             # limit is read (and the pool's bytes published) for the next one.
             self.pace = max(self._taken_this_step, self.pace - 1)
             self._taken_this_step = 0
+            self._retry_quarantine()
             self._poll_limit()
             return self._unmap_ready(self._under_limit(self.config.max_reserve_pages), publish=True)
 
@@ -622,6 +699,7 @@ class PagePool:
             self.reserve.update({p: 0 for p in self.in_use})
             self.in_use.clear()
             self._unmap(sorted(self.reserve))
+            self._retry_quarantine()  # what still fails now goes with the ranges' own close
 
     def reserve_target(self) -> int:
         """Pages the reserve refills to: the pace, within the watermarks."""

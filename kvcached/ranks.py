@@ -157,7 +157,9 @@ class RankPages:
         elif request.op == "unmap":
             if stray := sorted(set(pages) - self.mapped):
                 raise InvariantError(f"rank {self.rank}: kv pages {stray} are not mapped")
-            self.space.unmap_pages(pages)
+            # Not strict: after a failed unmap the scheduler retries the same pages, some of
+            # them perhaps unmapped in every backing already (the rank's books say "mapped").
+            self.space.unmap_pages(pages, strict=False)
             self.mapped.difference_update(pages)
             self._moved(-len(pages))
         elif request.op == "close":
@@ -214,6 +216,8 @@ class RankedPageSpace:
     ranks: int
     capacity_ttl_s: float = 0.1
     calls: Counter[str] = field(default_factory=Counter)  # blocking requests, by operation
+    #: Pages whose unmap some ranks refused, with those ranks (the others unmapped them).
+    _unmapped_elsewhere: dict[int, frozenset[int]] = field(default_factory=dict)
     deferred: int = 0  # maps sent ahead of demand without waiting (confirmed later)
     _available: tuple[float, int] = (0.0, 0)
 
@@ -279,10 +283,25 @@ class RankedPageSpace:
         raise DriverError(f"kv pages {list(pages)} not mapped: {why}")
 
     def unmap_pages(self, kv_pages: Sequence[int]) -> None:
+        """Unmap on every rank. A rank that fails keeps the pages (its books say so): they
+        are remembered with the ranks still holding them (`DriverError` is raised), and a
+        later unmap of the same pages, the pool's retry, goes to those ranks only."""
         if not kv_pages:
             return
-        replies = self._call(PageRequest("unmap", tuple(kv_pages)))
-        if failed := [r for r in replies if not r.ok]:
+        groups: dict[frozenset[int], list[int]] = {}
+        for page in kv_pages:
+            groups.setdefault(self._unmapped_elsewhere.get(page, frozenset()), []).append(page)
+        failed: list[RankReply] = []
+        for holders, pages in groups.items():  # holders empty: every rank
+            replies = self._call(PageRequest("unmap", tuple(pages), holders))
+            refused = frozenset(r.rank for r in replies if not r.ok)
+            for page in pages:
+                if refused:
+                    self._unmapped_elsewhere[page] = refused
+                else:
+                    self._unmapped_elsewhere.pop(page, None)
+            failed += [r for r in replies if not r.ok]
+        if failed:
             raise DriverError(f"kv pages {list(kv_pages)} not unmapped on {_names(failed)}")
 
     def physical_available(self) -> int:

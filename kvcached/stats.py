@@ -28,7 +28,9 @@ class PoolStats:
     ``map_failures`` counts page-map batches the backend refused; ``admission_misses``
     counts admission checks the pool had to answer with fewer blocks than asked because
     memory was short or a fault was injected (each is a scheduling miss for the caller,
-    and a retried request counts again).
+    and a retried request counts again). ``unmap_failures`` counts unmap batches a backing
+    or a rank refused; ``quarantined_pages`` are the pages waiting for a successful retry
+    (never handed out meanwhile, still held).
     """
 
     mapped_bytes: int
@@ -46,6 +48,8 @@ class PoolStats:
     page_takes: int = 0
     reserve_hits: int = 0
     blocking_maps: int = 0
+    unmap_failures: int = 0
+    quarantined_pages: int = 0
 
     @property
     def reserve_hit_rate(self) -> float:

@@ -363,6 +363,13 @@ class CountingRange:
     def num_pages(self) -> int:
         return int(self.vrange.num_pages)
 
+    @property
+    def num_mapped(self) -> int:
+        return int(self.vrange.num_mapped)
+
+    def is_mapped(self, page: int) -> bool:
+        return bool(self.vrange.is_mapped(page))
+
     def map(self, pages: Sequence[int]) -> None:
         start = time.perf_counter_ns()
         self.vrange.map(pages)

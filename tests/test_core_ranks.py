@@ -12,7 +12,8 @@ import pytest
 from kvcached import _vmm
 from kvcached.budget import LocalBudget
 from kvcached.config import KvcachedConfig
-from kvcached.errors import InvariantError, PhysicalMemoryExhausted
+from kvcached.errors import DriverError, InvariantError, PhysicalMemoryExhausted
+from kvcached.faults import FailingRange
 from kvcached.pages import PagePool, PageSpace
 from kvcached.ranks import PageRequest, RankedPageSpace, RankLayout, RankPages, RankReply, check_layouts
 from kvcached.space import plan_geometry
@@ -177,4 +178,24 @@ def test_an_admission_beyond_the_reserve_costs_one_round_trip() -> None:
     ledger.allocate(3 * per_page)  # takes pages 0-2; the reserve (3, 4) is at its target
     assert space.calls["map"] == 1 and space.deferred == 0 and not pool.pending
     assert all(r.mapped == {0, 1, 2, 3, 4} for r in ranks)
+    pool.close()
+
+
+def test_an_unmap_failure_on_one_rank_quarantines_the_page_until_the_retry() -> None:
+    space, ranks, _ = _engine(None, None)
+    backing = FailingRange(ranks[1].space.ranges[0])
+    ranks[1].space = PageSpace((backing, *ranks[1].space.ranges[1:]), ranks[1].space.vmm_pages_per_kv_page,
+                               ranks[1].space.num_kv_pages)  # type: ignore[arg-type]
+    pool = PagePool(space, KvcachedConfig(min_reserve_pages=0, max_reserve_pages=0))
+    pool.acquire([0, 1])
+    pool.release([1])
+    backing.fail_call("unmap", 1, DriverError("CUDA_ERROR_UNKNOWN", "CUDA_ERROR_UNKNOWN", 999))
+    pool.collect()  # rank 1 refuses the unmap (its first backing): reported, not raised
+    assert pool.quarantined == {1} and pool.mapped == {0} and pool.counters().unmap_failures == 1
+    assert ranks[0].mapped == {0} and ranks[1].mapped == {0, 1}  # rank 1 still holds page 1
+    assert pool.lowest_unmapped(1) == [2], "page 1 is not handed out again while quarantined"
+    pool.collect()  # the retry: rank 1 unmaps what its backings still map of page 1
+    assert pool.quarantined == set() and ranks[1].mapped == {0}
+    pool.acquire([1])
+    assert all(r.mapped == {0, 1} for r in ranks)
     pool.close()

@@ -1,0 +1,106 @@
+"""Every backend call that fails leaves the pool, the ledger and every backing consistent.
+
+Real CPU ranges behind the backend fault seam (`kvcached.faults.FailingRange`): one call of
+one backing fails, everything else is the real path. Two backings per kv page, as a model
+with K and V in separate tensors has.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcached.budget import LocalBudget
+from kvcached.config import KvcachedConfig
+from kvcached.errors import DriverError, PhysicalMemoryExhausted
+from kvcached.faults import FailingRange
+from kvcached.fence import StepFence
+from kvcached.ledger import BlockLedger
+from kvcached.pages import PagePool, PageSpace
+
+_vmm = pytest.importorskip("kvcached._vmm", reason="native extension not built")
+
+PAGE = 4096
+PAGES = 8
+
+
+def pool_over(backings: int = 2) -> tuple[PagePool, list[FailingRange], LocalBudget]:
+    ranges = [FailingRange(_vmm.VirtualRange("cpu", PAGES * PAGE, PAGE)) for _ in range(backings)]
+    budget = LocalBudget(None)
+    space = PageSpace(tuple(ranges), (1,) * backings, PAGES, budget)  # type: ignore[arg-type]
+    config = KvcachedConfig(page_size=PAGE, min_reserve_pages=0, max_reserve_pages=0, capacity_ttl_s=0.0,
+                            map_retries=0)
+    return PagePool(space, config, fence=StepFence()), ranges, budget
+
+
+def consistent(pool: PagePool, ranges: list[FailingRange], budget: LocalBudget) -> None:
+    """Every backing maps exactly the pool's mapped pages, and the charge is what they hold."""
+    for r in ranges:
+        assert set(r.mapped_pages()) == pool.mapped - pool.quarantined
+    assert budget.used == sum(r.num_mapped for r in ranges) * PAGE
+
+
+@pytest.mark.parametrize("error", [DriverError("CUDA_ERROR_UNKNOWN", "CUDA_ERROR_UNKNOWN", 999),
+                                   PhysicalMemoryExhausted("out of memory")])
+def test_a_failure_in_the_middle_of_a_multi_page_map_maps_nothing(error: Exception) -> None:
+    pool, ranges, budget = pool_over()
+    ranges[1].fail_call("map", 3, error)  # kv page 3 fails in the second backing
+    with pytest.raises(type(error)):
+        pool.acquire([1, 2, 3])
+    assert pool.mapped == set() and pool.in_use == set()
+    consistent(pool, ranges, budget)
+    pool.acquire([1, 2, 3])  # the same pages map afterwards: nothing was left behind
+    consistent(pool, ranges, budget)
+
+
+def test_an_unmap_failure_in_one_backing_quarantines_the_page_until_a_retry_succeeds() -> None:
+    pool, ranges, budget = pool_over()
+    pool.acquire([1, 2])
+    pool.release([1, 2])
+    ranges[1].fail_call("unmap", 1, DriverError("CUDA_ERROR_UNKNOWN", "CUDA_ERROR_UNKNOWN", 999))
+    pool.collect()  # the unmap of pages 1 and 2 fails in backing 1 only: reported, not raised
+    assert pool.quarantined == {1, 2} and not pool.reserve
+    assert ranges[0].mapped_pages() == [] and ranges[1].mapped_pages() == [1, 2]
+    assert budget.used == 2 * PAGE, "what is still mapped stays charged"
+    assert pool.lowest_unmapped(2) == [0, 3], "a quarantined page is never handed out"
+    assert pool.counters().unmap_failures == 1
+    pool.collect()  # the retry unmaps what is left, in the backing that still maps it
+    assert pool.quarantined == set() and ranges[1].mapped_pages() == [] and budget.used == 0
+    pool.acquire([1, 2])
+    consistent(pool, ranges, budget)
+
+
+def test_the_ledger_never_chooses_a_block_on_a_quarantined_page() -> None:
+    pool, ranges, _ = pool_over()
+    ledger = BlockLedger(PAGES * 4, 4, pool, pinned=[0])
+    blocks = ledger.allocate(7)  # pages 0 and 1 (0 holds the pinned block)
+    ledger.release(blocks)
+    ranges[0].fail_call("unmap", 1, DriverError("CUDA_ERROR_UNKNOWN", "CUDA_ERROR_UNKNOWN", 999))
+    pool.collect()
+    assert pool.quarantined == {1}
+    assert {b // 4 for b in ledger.allocate(6)} == {0, 2}, "page 1 is skipped while quarantined"
+    ledger.check()
+
+
+def test_a_driver_error_while_mapping_ahead_is_a_shortfall_not_an_exception() -> None:
+    pool, ranges, budget = pool_over()
+    for nth in (2, 4):  # page 2 in the batch, then page 2 alone
+        ranges[0].fail_call("map", nth, DriverError("CUDA_ERROR_ILLEGAL_STATE", "CUDA_ERROR_ILLEGAL_STATE", 401))
+    assert pool.prefetch([1, 2, 3]) == 1  # the batch fails, then page 1 alone maps, page 2 fails again
+    assert pool.counters().map_failures == 2
+    consistent(pool, ranges, budget)
+
+
+def test_a_map_whose_undo_fails_too_quarantines_what_is_left_mapped() -> None:
+    """The undo of a failed batch fails in another backing: the page it left mapped there
+    must never look free (it would be mapped again: 'page is already mapped' forever after)."""
+    pool, ranges, budget = pool_over()
+    ranges[1].fail_call("map", 2, DriverError("CUDA_ERROR_UNKNOWN", "CUDA_ERROR_UNKNOWN", 999))  # page 2
+    ranges[0].fail_call("unmap", 1, DriverError("CUDA_ERROR_UNKNOWN", "CUDA_ERROR_UNKNOWN", 999))  # its undo
+    with pytest.raises(DriverError):
+        pool.acquire([1, 2])
+    assert pool.quarantined == {1, 2} and ranges[0].mapped_pages() == [1, 2] and ranges[1].mapped_pages() == []
+    assert budget.used == 2 * PAGE and pool.lowest_unmapped(2) == [0, 3]
+    pool.collect()  # the retry
+    assert pool.quarantined == set()
+    pool.acquire([1, 2])  # mapped again, no 'already mapped'
+    consistent(pool, ranges, budget)
