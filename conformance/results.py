@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from conformance.geometry import Geometry
 
 #: Bumped whenever a field changes meaning, appears or disappears.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 Side = Literal["reference", "candidate", "control"]
 EngineKind = Literal["native", "kvcached"]
@@ -186,6 +186,8 @@ class PoolFacts(_Strict):
     page_takes: int
     reserve_hits: int
     blocking_maps: int
+    unmap_failures: int
+    quarantined_pages: int
 
 
 class CopyFacts(_Strict):

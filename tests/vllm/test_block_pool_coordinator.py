@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm.v1.core import kv_cache_coordinator
+from vllm.v1.core import kv_cache_coordinator, kv_cache_manager
 from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
@@ -33,8 +33,11 @@ def config(*specs: object) -> KVCacheConfig:
 
 
 def coordinator(cfg: KVCacheConfig, *, caching: bool = True, scheduler_block_size: int = 16,
-                hash_block_size: object = 16) -> kv_cache_coordinator.KVCacheCoordinator:
-    return get_kv_cache_coordinator(
+                hash_block_size: object = 16, device: bool = True) -> kv_cache_coordinator.KVCacheCoordinator:
+    """Built as `KVCacheManager` builds the device pool's (``device``: through the manager
+    module's name, which the seam marks), else as another user of the class does."""
+    build = kv_cache_manager.get_kv_cache_coordinator if device else get_kv_cache_coordinator
+    return build(
         kv_cache_config=cfg, max_model_len=1024, max_in_flight_tokens=1024, use_eagle=False,
         enable_caching=caching, enable_kv_cache_events=True, dcp_world_size=1, pcp_world_size=1,
         scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size,  # type: ignore[arg-type]
@@ -112,7 +115,7 @@ def test_invalid_hash_granularity_propagates_out_of_the_coordinator(published, b
 ])
 def test_absent_or_invalid_hash_granularity_raises_at_the_seam(published, kwargs: dict) -> None:
     seam = kv_cache_coordinator.BlockPool  # what the coordinator calls
-    with pytest.raises(IntegrationError) as info:
+    with pytest.raises(IntegrationError) as info, scheduler.building_device_pool():
         seam(num_gpu_blocks=NUM_BLOCKS, enable_caching=True, enable_kv_cache_events=False, **kwargs)
     assert isinstance(info.value, RuntimeError)
     assert "hash_block_size" in str(info.value)
@@ -133,3 +136,16 @@ def test_the_coordinator_builds_the_pool_detached_and_the_engine_attaches_it(pub
         fresh.attach(other)
     fresh.close()
     assert fresh.closed
+
+
+def test_another_coordinator_gets_a_native_pool(published) -> None:
+    """``SimpleCPUOffloadConnector`` builds its CPU pool with vLLM's coordinator, calling
+    ``kv_cache_coordinator.get_kv_cache_coordinator`` itself: before, that pool became an
+    elastic one claiming the device KV space (start-up failed with a geometry error)."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    other = coordinator(config(full()), device=False)
+    assert type(other.block_pool) is BlockPool
+    device = coordinator(config(full()))
+    published.append(device.block_pool)
+    assert isinstance(device.block_pool, ElasticBlockPool)

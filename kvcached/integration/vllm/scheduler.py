@@ -1,11 +1,16 @@
 """Scheduler-side seams: where kvcached enters vLLM's EngineCore.
 
-Eight attributes are replaced (`install`), each restored exactly by `uninstall`. Whether
+Nine attributes are replaced (`install`), each restored exactly by `uninstall`. Whether
 they act is the process-wide switch in `install_state`, shared with the worker seams:
 
-``vllm.v1.core.kv_cache_coordinator.BlockPool``
-    The coordinator builds its one GPU pool through this module-level name. It becomes
-    `elastic_block_pool`, which reads the hash granularity from the native constructor
+``vllm.v1.core.kv_cache_coordinator.BlockPool`` and ``vllm.v1.core.kv_cache_manager.get_kv_cache_coordinator``
+    A coordinator builds its pool through the first module-level name. It becomes
+    `elastic_block_pool`, which builds an `ElasticBlockPool` only for the engine's device KV
+    cache: while `KVCacheManager` builds its coordinator through the second name (marked
+    by its wrapper). Any other coordinator (``SimpleCPUOffloadConnector`` builds its CPU
+    block pool through the same class, calling ``kv_cache_coordinator.get_kv_cache_coordinator``
+    itself) gets vLLM's own pool: it must not claim the device's KV space. For the device
+    pool, it reads the hash granularity from the native constructor
     arguments *before* kvcached initializes anything and then builds an
     `ElasticBlockPool` with exactly those arguments. A missing or invalid
     ``hash_block_size`` raises `IntegrationError` (a `RuntimeError`), which propagates out
@@ -62,9 +67,11 @@ they act is the process-wide switch in `install_state`, shared with the worker s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,12 +114,40 @@ def hash_block_size_from(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     return value
 
 
+#: ``.building`` is True while `KVCacheManager` builds its coordinator (seam 1b): the one
+#: device KV pool of the engine. Every other coordinator (``SimpleCPUOffloadConnector``'s
+#: CPU pool, a tool's) gets vLLM's own pool.
+_device_pool = threading.local()
+
+
+@contextlib.contextmanager
+def building_device_pool() -> Iterator[None]:
+    """The scope in which a coordinator's pool is the engine's device KV pool (this thread)."""
+    previous = getattr(_device_pool, "building", False)
+    _device_pool.building = True
+    try:
+        yield
+    finally:
+        _device_pool.building = previous
+
+
+def _wrap_get_coordinator(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``kv_cache_manager.get_kv_cache_coordinator``: marks the device pool's construction."""
+    @functools.wraps(original)
+    def get_kv_cache_coordinator(*args: Any, **kwargs: Any) -> Any:
+        with building_device_pool():
+            return original(*args, **kwargs)
+
+    return get_kv_cache_coordinator
+
+
 def elastic_block_pool(*args: Any, **kwargs: Any) -> Any:
-    """Replacement for the coordinator's ``BlockPool``: validate, then build the elastic pool.
+    """Replacement for the coordinator's ``BlockPool``: validate, then build the elastic pool
+    for the engine's device KV cache (built by `KVCacheManager`), vLLM's own for any other.
 
     When the seams were installed disabled it builds vLLM's own pool, untouched.
     """
-    if not install_state.is_enabled():
+    if not install_state.is_enabled() or not getattr(_device_pool, "building", False):
         from vllm.v1.core.block_pool import BlockPool
 
         return BlockPool(*args, **kwargs)
@@ -346,6 +381,9 @@ def _plan() -> list[tuple[Any, str, Any]]:
             "vllm.v1.core.kv_cache_coordinator.BlockPool is not vLLM's BlockPool; "
             "another plugin already replaced it"
         )
+    if kv_cache_manager.get_kv_cache_coordinator is not kv_cache_coordinator.get_kv_cache_coordinator:
+        raise IntegrationError("vllm.v1.core.kv_cache_manager.get_kv_cache_coordinator is not vLLM's; "
+                               "another plugin already replaced it")
     if "hash_block_size" not in _native_pool_signature().parameters:
         raise IntegrationError("vLLM's BlockPool takes no hash_block_size; this vLLM is not supported")
     from vllm.v1.engine.core import EngineCore
@@ -357,6 +395,7 @@ def _plan() -> list[tuple[Any, str, Any]]:
     sched = scheduler.Scheduler
     return [
         (kv_cache_coordinator, "BlockPool", elastic_block_pool),
+        (kv_cache_manager, "get_kv_cache_coordinator", _wrap_get_coordinator(kv_cache_manager.get_kv_cache_coordinator)),
         (manager, "allocate_slots", _wrap_allocate_slots(require_own(manager, "allocate_slots"),
                                                          require_own(coordinator, _COUNT))),
         (sched, "schedule", _wrap_schedule(require_own(sched, "schedule"))),
