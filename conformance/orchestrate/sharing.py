@@ -122,7 +122,7 @@ class SharingResult:
     exits: dict[str, int] = field(default_factory=dict)
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self), indent=1))
+        path.write_text(json.dumps(asdict(self), separators=(",", ":")))
 
     @classmethod
     def load(cls, path: Path) -> SharingResult:

@@ -11,6 +11,7 @@ tested in ``test_v029_worker_alloc``.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -39,8 +40,9 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from worker_env import forget_all, registered_space, worker_installed
 
 from kvcached import space
+from kvcached.budget import BudgetRecord
 from kvcached.copy import copy_stats, reset_copy_stats
-from kvcached.errors import IntegrationError
+from kvcached.errors import ConfigError, IntegrationError
 from kvcached.integration.vllm import worker
 from kvcached.views import get_meta
 
@@ -246,3 +248,20 @@ def test_layer_coverage_is_checked() -> None:
     )
     with pytest.raises(IntegrationError, match=r"missing \['l1'\]"):
         GPUModelRunner._allocate_kv_cache_tensors(make_runner(config, []), config)
+
+
+def test_a_budget_smaller_than_one_kv_page_is_refused_before_anything_maps(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    config = KVCacheConfig(
+        num_blocks=N,
+        kv_cache_tensors=[KVCacheTensor(size=N * ATTN_PAGE, shared_by=["l0"])],
+        kv_cache_groups=[KVCacheGroupSpec(["l0"], ATTN)],
+    )
+    groups = [(ATTN, CPUAttentionBackend, ["l0"])]
+    monkeypatch.setenv("KVCACHED_BUDGET_PATH", str(tmp_path / "host.budget"))
+    monkeypatch.setenv("KVCACHED_BUDGET_BYTES", "1000")
+    with pytest.raises(ConfigError, match=r"global limit \(1000 bytes.*smaller than one kv page"):
+        build(config, groups)
+    assert worker.registered_rank_kv() == []
+    with BudgetRecord(str(tmp_path / "host.budget"), create=False) as record:
+        assert record.snapshot().slots == (), "the slot went with the failed allocation"

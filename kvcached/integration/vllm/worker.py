@@ -360,6 +360,7 @@ def _open_backings(block_strides: Sequence[int], row_bytes: Sequence[int], num_b
     try:
         backings.budget = open_slot(config.budget_path, config.budget_bytes, device, rank=_current_rank(),
                                     label=f"pid {os.getpid()} rank {_current_rank()}")
+        _check_budget_holds_a_page(backings, geometry)
         for stride, size, reserved in zip(block_strides, row_bytes, geometry.reserved_bytes, strict=True):
             # reserved = whole kv pages covering num_blocks * stride >= size
             vrange = _vmm.VirtualRange(device, max(reserved, size), config.page_size)
@@ -370,6 +371,19 @@ def _open_backings(block_strides: Sequence[int], row_bytes: Sequence[int], num_b
         backings.close()
         raise
     return backings
+
+
+def _check_budget_holds_a_page(backings: _Backings, geometry: _space.Geometry) -> None:
+    """A global limit below one kv page would refuse every map, the null block's first:
+    refuse it here, naming both sizes, instead of failing on the first map."""
+    if backings.budget is None:
+        return
+    record = backings.budget[0]
+    limit = record.snapshot().limit
+    page = sum(geometry.vmm_pages) * geometry.page_size
+    if limit is not None and limit < page:
+        raise ConfigError(f"the budget's global limit ({limit} bytes, KVCACHED_BUDGET_BYTES or the record "
+                          f"{record.path}) is smaller than one kv page of this engine ({page} bytes)")
 
 
 def _current_rank() -> int:
