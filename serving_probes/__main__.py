@@ -1,6 +1,6 @@
 """`python -m serving_probes`: run the GPU probes and write reports/gpu/.
 
-    python -m serving_probes                      # copy, cost, bandwidth, sanitizer, serving, sharing
+    python -m serving_probes                      # copy, cost, bandwidth, sanitizer, serving, sharing, isolation
     python -m serving_probes --only copy,cost     # a subset
     python -m serving_probes --out reports/gpu    # where the report goes (default)
 
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-PROBES = ("copy", "cost", "bandwidth", "sanitizer", "serving", "sharing")
+PROBES = ("copy", "cost", "bandwidth", "sanitizer", "serving", "sharing", "isolation")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -184,6 +184,19 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_report:
             env = results.get("environment", {})
             print(f"sharing report: {write_sharing(probe, Path(args.out) / 'sharing', env)}", flush=True)  # type: ignore[arg-type]
+
+    if "isolation" in args.only:
+        from serving_probes.isolation import run as run_isolation
+        from serving_probes.isolation import write_report as write_isolation
+
+        iso = run_isolation(args.device)
+        ok = all(iso.checks.values())
+        failed |= not ok
+        results["isolation"] = dataclasses.asdict(iso)
+        print(f"isolation: {'PASS' if ok else 'FAIL'} {iso.checks}", flush=True)
+        if not args.no_report:
+            env = results.get("environment", {})
+            print(f"isolation report: {write_isolation(iso, Path(args.out) / 'isolation', env)}", flush=True)  # type: ignore[arg-type]
 
     # What torch still caches would hide (or be mistaken for) what kvcached gave back.
     from serving_probes.torch_caches import release_torch_caches
