@@ -79,6 +79,22 @@ def _environment() -> dict[str, str]:
     return env
 
 
+def _checked_probe(name: str, args: argparse.Namespace, results: dict[str, object]) -> bool:
+    """Run the probe module ``serving_probes.<name>`` (its ``run`` and ``write_report``),
+    record it in ``results`` and return whether every check held."""
+    import importlib
+
+    module = importlib.import_module(f"serving_probes.{name}")
+    probe = module.run(args.device)
+    ok = all(probe.checks.values())
+    results[name] = dataclasses.asdict(probe)
+    print(f"{name}: {'PASS' if ok else 'FAIL'} {probe.checks}", flush=True)
+    if not args.no_report:
+        env = results.get("environment", {})
+        print(f"{name} report: {module.write_report(probe, Path(args.out) / name, env)}", flush=True)
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     import torch
@@ -172,31 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         results["serving"] = dataclasses.asdict(serving)
         print(f"serving: {serving.status} {serving.reason}", flush=True)
 
-    if "sharing" in args.only:
-        from serving_probes.sharing import run as run_sharing
-        from serving_probes.sharing import write_report as write_sharing
-
-        probe = run_sharing(args.device)
-        ok = all(probe.checks.values())
-        failed |= not ok
-        results["sharing"] = dataclasses.asdict(probe)
-        print(f"sharing: {'PASS' if ok else 'FAIL'} {probe.checks} handoff {probe.handoff_ms} ms", flush=True)
-        if not args.no_report:
-            env = results.get("environment", {})
-            print(f"sharing report: {write_sharing(probe, Path(args.out) / 'sharing', env)}", flush=True)  # type: ignore[arg-type]
-
-    if "isolation" in args.only:
-        from serving_probes.isolation import run as run_isolation
-        from serving_probes.isolation import write_report as write_isolation
-
-        iso = run_isolation(args.device)
-        ok = all(iso.checks.values())
-        failed |= not ok
-        results["isolation"] = dataclasses.asdict(iso)
-        print(f"isolation: {'PASS' if ok else 'FAIL'} {iso.checks}", flush=True)
-        if not args.no_report:
-            env = results.get("environment", {})
-            print(f"isolation report: {write_isolation(iso, Path(args.out) / 'isolation', env)}", flush=True)  # type: ignore[arg-type]
+    for name in ("sharing", "isolation"):  # self-contained probes: checks, and a report of their own
+        if name in args.only:
+            failed |= not _checked_probe(name, args, results)
 
     # What torch still caches would hide (or be mistaken for) what kvcached gave back.
     from serving_probes.torch_caches import release_torch_caches

@@ -17,12 +17,13 @@ that stops doing so:
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from serving_probes.probe_report import write_probe_report
 
 GiB = 1 << 30
 PAGE = 2 << 20
@@ -110,23 +111,16 @@ def run(device: str = "cuda:0", gib: float = 64.0, gib_b: float = 100.0) -> Isol
 
 
 def write_report(probe: IsolationProbe, out_dir: Path, environment: dict[str, str]) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "isolation.json").write_text(json.dumps({"environment": environment, **asdict(probe)}, indent=1))
     a, b = probe.first, probe.second
-    lines = [
-        "# Tenant isolation on the GPU: given-back memory reads as zeros", "",
-        (f"`{environment.get('command', 'python -m serving_probes --only isolation')}` on {environment.get('date')}; "
-         f"{environment.get('device', '')}, driver {environment.get('driver', '?')}, torch {environment.get('torch')}."),
-        "", "Method: `serving_probes/isolation.py` (its docstring); 2 MiB pages through kvcached ranges.", "",
+    body = [
         (f"- process A: {a['bytes'] / GiB:.0f} GiB mapped in {a['map_s']:.2f} s; non-zero bytes: fresh "
          f"{a['nonzero_fresh']:.0f}, after filling 0xAB {a['nonzero_after_fill']:.0f} (the control), after "
          f"release and map again {a['nonzero_after_remap']:.0f}"),
         f"- process B (after A exited): {b['bytes'] / GiB:.0f} GiB mapped, non-zero bytes {b['nonzero_fresh']:.0f}",
         (f"- zeroing one page on the device would cost {a['zero_one_page_us']:.1f} µs per 2 MiB page "
-         "(not paid: the driver zeroes)"), "",
-        "| check | holds |", "|---|---|",
-        *[f"| {k} | {'yes' if v else '**no**'} |" for k, v in probe.checks.items()], "",
+         "(not paid: the driver zeroes)"),
     ]
-    path = out_dir / "isolation.md"
-    path.write_text("\n".join(lines))
-    return path
+    return write_probe_report(out_dir, "isolation", "Tenant isolation on the GPU: given-back memory reads as zeros",
+                              environment, asdict(probe),
+                              "`serving_probes/isolation.py` (its docstring); 2 MiB pages through kvcached ranges.",
+                              body, probe.checks)

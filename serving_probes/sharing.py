@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from serving_probes.probe_report import write_probe_report
+
 GiB = 1 << 30
 PAGE = 2 << 20
 BATCH = 64  # pages per map call
@@ -251,18 +253,10 @@ def _backstop(out: SharingProbe, a: Tenant, b: Tenant) -> None:
 
 
 def write_report(probe: SharingProbe, out_dir: Path, environment: dict[str, str]) -> Path:
-    import json
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "sharing.json").write_text(json.dumps({"environment": environment, **asdict(probe)}, indent=1))
     def g(n: int) -> str:
         return f"{n / GiB:.1f} GiB"
 
-    lines = [
-        "# Two processes share one GPU through the kvcached core", "",
-        (f"`{environment.get('command', 'python -m serving_probes --only sharing')}` on {environment.get('date')}; "
-         f"{environment.get('device', '')}, driver {environment.get('driver', '?')}, torch {environment.get('torch')}."),
-        "", "Method: `serving_probes/sharing.py` (its docstring). 2 MiB pages, one budget record for the GPU.", "",
+    body = [
         f"- free at start {g(probe.free_start)}; record limit {g(probe.limit)}",
         (f"- A's peak {g(probe.a_peak_bytes)} (free then: {g(probe.free_at_a_peak)}); B after the handoff "
          f"{g(probe.b_after_handoff_bytes)}; handoff latency {probe.handoff_ms} ms"),
@@ -272,14 +266,12 @@ def write_report(probe: SharingProbe, out_dir: Path, environment: dict[str, str]
         (f"- handoff latency median {sorted(probe.handoff_ms)[len(probe.handoff_ms) // 2]} ms "
          f"(min {min(probe.handoff_ms)}, max {max(probe.handoff_ms)}, {len(probe.handoff_ms)} handoffs)"),
         (f"- record usage while limited: max {g(probe.max_used)}; {probe.samples_over_limit} of {probe.samples} "
-         "samples (every 2 ms) over the limit"), "",
-        "| check | holds |", "|---|---|",
-        *[f"| {k} | {'yes' if v else '**no**'} |" for k, v in probe.checks.items()], "",
+         "samples (every 2 ms) over the limit"),
     ]
-    path = out_dir / "sharing.md"
-    path.write_text("\n".join(lines))
-    return path
-
+    return write_probe_report(out_dir, "sharing", "Two processes share one GPU through the kvcached core",
+                              environment, asdict(probe),
+                              "`serving_probes/sharing.py` (its docstring). 2 MiB pages, one budget record for the GPU.",
+                              body, probe.checks)
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
