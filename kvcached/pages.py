@@ -206,11 +206,9 @@ class PageSpace:
         passes False (what is left is unmapped, what is gone is skipped)."""
         if not kv_pages:
             return
-        if strict and (lost := [p for p in kv_pages if not self.still_mapped([p])]):
-            raise InvariantError(f"kv pages {lost} are not mapped in any backing")
         before = self.mapped_bytes() if self.charger is not None else 0
         try:
-            self._unmap(kv_pages)
+            self._unmap(kv_pages, strict=strict)
         finally:
             if self.charger is not None:  # what was unmapped, even if another range then failed
                 self.charger.refund(before - self.mapped_bytes())
@@ -220,16 +218,28 @@ class PageSpace:
         return [p for p in kv_pages
                 if any(vrange.is_mapped(v) for r, vrange in enumerate(self.ranges) for v in self.vmm_pages(r, p))]
 
-    def _unmap(self, kv_pages: Sequence[int]) -> None:
-        self._unmap_each([kv_pages] * len(self.ranges))
+    def _unmap(self, kv_pages: Sequence[int], strict: bool = False) -> None:
+        self._unmap_each([kv_pages] * len(self.ranges), strict)
 
-    def _unmap_each(self, kv_pages: Sequence[Sequence[int]]) -> None:
+    def _unmap_each(self, kv_pages: Sequence[Sequence[int]], strict: bool = False) -> None:
         """Unmap in each backing ``r`` what it still maps of ``kv_pages[r]``. Every backing
         is tried even after one fails (the first error is raised after), and a page already
-        unmapped in a backing is skipped there: a retry after a partial failure finishes."""
-        first: BaseException | None = None
+        unmapped in a backing is skipped there: a retry after a partial failure finishes.
+        ``strict``: a page no backing maps is an `InvariantError`, before anything changes."""
+        plan: list[list[int]] = []  # VMM pages to unmap, per backing (one is_mapped pass)
+        held: set[int] = set()
         for r, vrange in enumerate(self.ranges):
-            wanted = [v for p in kv_pages[r] for v in self.vmm_pages(r, p) if vrange.is_mapped(v)]
+            wanted: list[int] = []
+            for p in kv_pages[r]:
+                mapped = [v for v in self.vmm_pages(r, p) if vrange.is_mapped(v)]
+                if mapped:
+                    held.add(p)
+                    wanted += mapped
+            plan.append(wanted)
+        if strict and (lost := sorted({p for pages in kv_pages for p in pages} - held)):
+            raise InvariantError(f"kv pages {lost} are not mapped in any backing")
+        first: BaseException | None = None
+        for vrange, wanted in zip(self.ranges, plan, strict=True):
             if not wanted:
                 continue
             try:
