@@ -104,6 +104,7 @@ def _scheduler(config: Config, kvcached: bool) -> Any:
 def _attach_space(kv_config: Any, stride: int, config: Config) -> None:
     """Leave a real CPU KV space where the EngineCore seam leaves the workers' layout."""
     from kvcached._vmm import VirtualRange
+
     from kvcached.config import KvcachedConfig
     from kvcached.integration.vllm import engine
     from kvcached.space import KvSpace, plan_geometry
@@ -209,11 +210,11 @@ def render(results: list[Result], meta: dict[str, Any]) -> str:
         "# Scheduler cost without a model (`schedule` + `update_from_output`, per step)", "",
         f"`{meta['command']}` on {meta['date']}; {meta['versions']}; {meta['machine']}.", "",
         __doc__.split("\n\n")[1].replace("\n", " "), "",
-        f"{meta['pairs']} pairs per configuration (sides alternate which goes first), {meta['max_tokens']} output "
-        f"tokens per request, {BLOCK}-token blocks of 2 KiB. Step times: median over the run's steps, then median "
-        "over pairs (min-max). Ratio: median of the pairs' kvcached/native ratios (min-max).", "",
-        f"| scheduler | blocks | concurrency | kv page | steps | native ms/step | kvcached ms/step | ratio | "
-        f"verdict (<= {TARGET:.2f}x) | same schedule |",
+        (f"{meta['pairs']} pairs per configuration (sides alternate which goes first), {meta['max_tokens']} output "
+         f"tokens per request, {BLOCK}-token blocks of 2 KiB. Step times: median over the run's steps, then median "
+         "over pairs (min-max). Ratio: median of the pairs' kvcached/native ratios (min-max)."), "",
+        ("| scheduler | blocks | concurrency | kv page | steps | native ms/step | kvcached ms/step | ratio | "
+         f"verdict (<= {TARGET:.2f}x) | same schedule |"),
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:

@@ -18,13 +18,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from conformance.faultplan import (
-    SITE_COW_ADMISSION,
-    SITE_MAP,
-    TRIGGER_PARTIAL_PREFIX_HIT,
-    FaultRule,
-)
 from conformance.models import MODEL_SPECS, ModelSpec
+from kvcached.faults import FaultRule
 
 
 class Scheduling(str, Enum):
@@ -62,7 +57,7 @@ class Control(str, Enum):
 class FaultPlan:
     """A named fault plan for the candidate engine.
 
-    ``rules`` go into the kvcached plan file; ``physical_budget`` asks for a physical KV
+    ``rules`` go into the plan file (`kvcached.faults`, the one definition of a plan); ``physical_budget`` asks for a physical KV
     budget so small that preemption must happen (KVCACHED_BUDGET_BYTES for kvcached).
     ``cached_cap`` runs kvcached with that cap on cached-but-free blocks
     (KVCACHED_MAX_CACHED_BLOCKS) instead of native-equivalent caching (``-1``, every other
@@ -86,18 +81,18 @@ class FaultPlan:
 
     @property
     def needs_partial_hits(self) -> bool:
-        return any(r.after_trigger == TRIGGER_PARTIAL_PREFIX_HIT for r in self.rules)
+        return any(r.after_trigger == "partial_prefix_hit" for r in self.rules)
 
 
 NO_FAULTS = FaultPlan("none", description="no injected faults")
 COW_ADMISSION_X2 = FaultPlan(
     "cow-admission-x2",
-    (FaultRule(SITE_COW_ADMISSION, fail_next=2, after_trigger=TRIGGER_PARTIAL_PREFIX_HIT),),
+    (FaultRule("cow_admission", fail_next=2, after_trigger="partial_prefix_hit"),),
     description="after a real partial-prefix hit, reject two consecutive CoW admission attempts",
 )
 MAP_MID_ALLOCATION = FaultPlan(
     "map-mid-alloc",
-    (FaultRule(SITE_MAP, fail_next=1, skip=1),),
+    (FaultRule("map", fail_next=1, skip=1),),
     description="fail the second page map, in the middle of an allocation",
 )
 TINY_BUDGET = FaultPlan(

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from conformance.geometry import Geometry
 
 #: Bumped whenever a field changes meaning, appears or disappears.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 Side = Literal["reference", "candidate", "control"]
 EngineKind = Literal["native", "kvcached"]
@@ -188,6 +188,7 @@ class PoolFacts(_Strict):
     blocking_maps: int
     unmap_failures: int
     quarantined_pages: int
+    health: Literal["healthy", "degraded", "failed"]
 
 
 class CopyFacts(_Strict):

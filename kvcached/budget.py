@@ -367,14 +367,19 @@ class BudgetRecord:
         if self._fd < 0:
             raise InvariantError(f"budget record {self.path} is closed")
 
-    def snapshot(self) -> Snapshot:
-        """The record now, validated, with dead entries left out (nothing is changed)."""
+    def snapshot(self, *, include_dead: bool = False) -> Snapshot:
+        """The record now, validated, with dead entries left out (nothing is changed).
+
+        ``include_dead``: every entry the file holds, those of processes that are gone too
+        (they are reclaimed by the next transaction; tests check that a clean exit left none).
+        """
         self._check_process()
         with self._lock:
             fcntl.flock(self._fd, fcntl.LOCK_SH)
             try:
                 state = self._read()
-                self._drop_dead(state)
+                if not include_dead:
+                    self._drop_dead(state)
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
         return Snapshot(self.path, state.limit, state.generation, tuple(s for s in state.slots if s),

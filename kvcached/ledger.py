@@ -394,6 +394,7 @@ class BlockLedger:
             blocking_maps=c.blocking_maps,
             unmap_failures=c.unmap_failures,
             quarantined_pages=c.quarantined_pages,
+            health=c.health.value,
         )
 
     def note_admission_miss(self) -> None:

@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Protocol
 
 from kvcached.config import KvcachedConfig
@@ -257,6 +258,30 @@ class PageSpace:
         return device if budget is None else min(device, budget)
 
 
+class PoolHealth(str, Enum):
+    """Whether a pool's pages all behave (`PagePool.health`).
+
+    * ``HEALTHY``: no page is quarantined.
+    * ``DEGRADED``: some pages are quarantined (an unmap failed in some backing or rank);
+      they are never handed out, stay charged, and are retried with a backoff. The pool
+      serves on with the rest and returns to ``HEALTHY`` once a retry succeeds.
+    * ``FAILED``: the quarantine failed `FAILED_AFTER` retries in a row: the backend keeps
+      refusing to give that memory back, which will likely last until the engine restarts.
+      The pool still serves (refusing to would strand running requests) and keeps retrying
+      at the slowest pace; ``kvcached.stats()`` reports it so health checks can act.
+    """
+
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"
+    FAILED = "failed"
+
+
+#: Failed quarantine retries in a row that make a pool FAILED.
+FAILED_AFTER = 5
+#: Backoff of quarantine retries, in steps (`collect` calls): 2, 4, 8, ... at most this many.
+MAX_RETRY_STEPS = 1024
+
+
 @dataclass(frozen=True, slots=True)
 class PoolCounters:
     maps: int
@@ -270,6 +295,7 @@ class PoolCounters:
     blocking_maps: int = 0  # pages mapped, or waited for, on the caller's path
     unmap_failures: int = 0  # unmap batches a backing refused (their pages quarantined)
     quarantined_pages: int = 0  # pages whose unmap failed somewhere, until a retry succeeds
+    health: PoolHealth = PoolHealth.HEALTHY
 
 
 class PagePool:
@@ -299,6 +325,9 @@ class PagePool:
         #: Pages an unmap failed for in some backing: neither in use nor in the reserve, never
         #: handed out or mapped again (they stay in the mapped set), retried by `collect`.
         self.quarantined: set[int] = set()
+        # Quarantine retries: failed in a row, and the step (`collect` count) of the next one.
+        self._retry_failures = 0
+        self._steps = self._retry_at = 0
         self._takes = self._hits = self._blocking = 0
         # The reserve's pace: pages taken per step lately (`collect` ends a step). Refills
         # keep that many pages ahead, between the min and max watermarks, so a step whose
@@ -326,6 +355,13 @@ class PagePool:
         with self._lock:
             self._confirm(wait=False)
             return len(self._mapped)
+
+    @property
+    def health(self) -> PoolHealth:
+        with self._lock:
+            if not self.quarantined:
+                return PoolHealth.HEALTHY
+            return PoolHealth.FAILED if self._retry_failures >= FAILED_AFTER else PoolHealth.DEGRADED
 
     def watch(self, watcher: Callable[[Sequence[int], Sequence[int]], None]) -> None:
         """Call ``watcher(mapped, unmapped)`` after every change of the mapped set.
@@ -397,7 +433,7 @@ class PagePool:
                                 len(self.in_use) + len(self.reserve) + pending,
                                 max(self._peak, len(self.in_use) + len(self.reserve) + pending),
                                 len(self.reserve) + pending, self._takes, self._hits, self._blocking,
-                                self._unmap_failures, len(self.quarantined))
+                                self._unmap_failures, len(self.quarantined), self.health)
 
     # ---- mechanism -----------------------------------------------------------------
     def _map_batch(self, pages: Sequence[int]) -> None:
@@ -546,16 +582,22 @@ class PagePool:
             self._mapped.update(stuck)
             self.quarantined.update(stuck)
 
-    def _retry_quarantine(self) -> None:
-        """Unmap the quarantined pages again (each backing unmaps what it still maps)."""
-        if not self.quarantined:
+    def _retry_quarantine(self, *, now: bool = False) -> None:
+        """Unmap the quarantined pages again (each backing unmaps what it still maps), when
+        the backoff allows (``now``: regardless). After ``k`` failures in a row the next try
+        is ``2**k`` steps later (at most `MAX_RETRY_STEPS`): a backend that keeps refusing
+        costs a failing call every few hundred steps, not one per step."""
+        if not self.quarantined or (not now and self._steps < self._retry_at):
             return
         pages = sorted(self.quarantined)
         try:
             self._unmap_space(pages, strict=False)
         except BackendError:
             self._unmap_failures += 1
+            self._retry_failures += 1
+            self._retry_at = self._steps + min(2 ** self._retry_failures, MAX_RETRY_STEPS)
             return
+        self._retry_failures = self._retry_at = 0
         self.quarantined.clear()
         self._capacity = None
         self._forget(pages)
@@ -660,6 +702,7 @@ class PagePool:
             # limit is read (and the pool's bytes published) for the next one.
             self.pace = max(self._taken_this_step, self.pace - 1)
             self._taken_this_step = 0
+            self._steps += 1
             self._retry_quarantine()
             self._poll_limit()
             return self._unmap_ready(self._under_limit(self.config.max_reserve_pages), publish=True)
@@ -709,7 +752,7 @@ class PagePool:
             self.reserve.update({p: 0 for p in self.in_use})
             self.in_use.clear()
             self._unmap(sorted(self.reserve))
-            self._retry_quarantine()  # what still fails now goes with the ranges' own close
+            self._retry_quarantine(now=True)  # what still fails now goes with the ranges' own close
 
     def reserve_target(self) -> int:
         """Pages the reserve refills to: the pace, within the watermarks."""

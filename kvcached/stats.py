@@ -30,7 +30,9 @@ class PoolStats:
     memory was short or a fault was injected (each is a scheduling miss for the caller,
     and a retried request counts again). ``unmap_failures`` counts unmap batches a backing
     or a rank refused; ``quarantined_pages`` are the pages waiting for a successful retry
-    (never handed out meanwhile, still held).
+    (never handed out meanwhile, still held). ``health`` is ``"healthy"``, ``"degraded"``
+    (pages quarantined) or ``"failed"`` (the quarantine resisted every retry so far; see
+    `kvcached.pages.PoolHealth`).
     """
 
     mapped_bytes: int
@@ -50,6 +52,7 @@ class PoolStats:
     blocking_maps: int = 0
     unmap_failures: int = 0
     quarantined_pages: int = 0
+    health: str = "healthy"
 
     @property
     def reserve_hit_rate(self) -> float:

@@ -111,6 +111,9 @@ def test_a_sigkilled_process_charge_is_reclaimed(tmp_path: Path) -> None:
         holder.send_signal(signal.SIGKILL)
         holder.wait(TIMEOUT)
         assert record.snapshot().used == 0
+        assert len(record.snapshot(include_dead=True).slots) == 1, "the dead slot is still in the file"
+        record.set_limit(4 * PAGE)  # any transaction reclaims it
+        assert record.snapshot(include_dead=True).slots == ()
 
 
 def test_a_zombie_charge_is_reclaimed_before_it_is_reaped(tmp_path: Path) -> None:

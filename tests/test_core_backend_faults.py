@@ -15,7 +15,7 @@ from kvcached.errors import DriverError, PhysicalMemoryExhausted
 from kvcached.faults import FailingRange
 from kvcached.fence import StepFence
 from kvcached.ledger import BlockLedger
-from kvcached.pages import PagePool, PageSpace
+from kvcached.pages import FAILED_AFTER, PagePool, PageSpace, PoolHealth
 
 _vmm = pytest.importorskip("kvcached._vmm", reason="native extension not built")
 
@@ -103,4 +103,37 @@ def test_a_map_whose_undo_fails_too_quarantines_what_is_left_mapped() -> None:
     pool.collect()  # the retry
     assert pool.quarantined == set()
     pool.acquire([1, 2])  # mapped again, no 'already mapped'
+    consistent(pool, ranges, budget)
+
+
+def test_a_quarantine_that_keeps_failing_backs_off_marks_the_pool_failed_and_recovers() -> None:
+    """Retries back off (2, 4, 8, ... steps); `FAILED_AFTER` failures in a row make the pool
+    FAILED; a retry that succeeds makes it HEALTHY again. Control: a pool whose unmaps work
+    stays HEALTHY through the same steps."""
+    pool, ranges, budget = pool_over()
+    control, _, _ = pool_over()
+    for p in (pool, control):
+        assert p.health is PoolHealth.HEALTHY
+        p.acquire([1])
+        p.release([1])
+    error = DriverError("CUDA_ERROR_UNKNOWN", "CUDA_ERROR_UNKNOWN", 999)
+    for nth in range(1, FAILED_AFTER + 2):  # the first unmap and FAILED_AFTER retries fail
+        ranges[1].fail_call("unmap", nth, error)
+    pool.collect()
+    control.collect()
+    assert pool.health is PoolHealth.DEGRADED and pool.quarantined == {1}
+    before, steps = ranges[1].calls["unmap"], 0
+    while pool.health is not PoolHealth.FAILED:
+        pool.collect()
+        control.collect()
+        steps += 1
+        assert steps < 100, "never marked FAILED"
+    assert ranges[1].calls["unmap"] - before == FAILED_AFTER, "one failing call per retry"
+    assert steps == 1 + 2 + 4 + 8 + 16, "retries back off: 2**k steps after the k-th failure"
+    assert pool.counters().health is PoolHealth.FAILED and control.health is PoolHealth.HEALTHY
+    assert budget.used == PAGE, "the stuck page stays charged"
+    for _ in range(2 ** FAILED_AFTER):  # the backend recovers; the next retry is 32 steps later
+        pool.collect()
+    assert pool.health is PoolHealth.HEALTHY and pool.quarantined == set() and budget.used == 0
+    pool.acquire([1])
     consistent(pool, ranges, budget)

@@ -1,8 +1,8 @@
 """A harness-only stand-in for kvcached's fault seam, for runs whose candidate is native vLLM.
 
-Until the kvcached plugin exists the candidate engine is native vLLM, which has no fault
-seam. This module reads the same plan file, fails the same logical sites at the scheduler's
-allocation boundary (``KVCacheManager.allocate_slots`` returning ``None``, which is vLLM's
+When the candidate engine is native vLLM, which has no fault seam, this module reads the
+same plan file (through `kvcached.faults`, the one definition of a plan), fails the same
+logical sites at the scheduler's allocation boundary (``KVCacheManager.allocate_slots`` returning ``None``, which is vLLM's
 own "cannot allocate" answer: the request stays waiting or a running request is preempted,
 and the scheduler retries), and writes the same ``<plan>.fired.json``. That exercises the
 harness end to end (plan file -> engine -> fired counts -> report) and vLLM's own
@@ -28,45 +28,21 @@ Sites:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from conformance.faultplan import (
-    SITE_ADMISSION,
-    SITE_COW_ADMISSION,
-    SITE_MAP,
-    FaultRule,
-    read_plan,
-    write_fired,
-)
-
-
-@dataclass
-class _RuleState:
-    rule: FaultRule
-    seen: int = 0  # checks that passed before arming
-    fired: int = 0
-    triggered: bool = False
-
-    def check(self) -> bool:
-        """True when this check must fail."""
-        if self.rule.after_trigger is not None and not self.triggered:
-            return False
-        if self.seen < self.rule.skip:
-            self.seen += 1
-            return False
-        if self.fired < self.rule.fail_next:
-            self.fired += 1
-            return True
-        return False
+from kvcached.faults import RuleState, read_plan, write_fired
 
 
 @dataclass
 class EmulatedSeam:
+    """The plan's rules (`kvcached.faults.RuleState`, as kvcached's injector evaluates them)
+    and the fired file they publish."""
+
     plan_path: Path
     block_size: int
-    states: list[_RuleState] = field(default_factory=list)
+    states: list[RuleState]
 
     def fired(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -75,7 +51,7 @@ class EmulatedSeam:
         return out
 
     def triggers(self) -> list[str]:
-        return sorted({s.rule.after_trigger for s in self.states if s.triggered and s.rule.after_trigger})
+        return sorted({s.rule.after_trigger for s in self.states if s.armed and s.rule.after_trigger})
 
     def flush(self) -> None:
         write_fired(self.plan_path, self.fired(), self.triggers())
@@ -83,7 +59,7 @@ class EmulatedSeam:
 
 def install_emulated_seam(sched: Any, plan_path: Path) -> EmulatedSeam:
     """Wrap ``sched.kv_cache_manager.allocate_slots`` of one running scheduler (EngineCore side)."""
-    seam = EmulatedSeam(plan_path, int(sched.block_size), [_RuleState(r) for r in read_plan(plan_path)])
+    seam = EmulatedSeam(plan_path, int(sched.block_size), [RuleState.start(r) for r in read_plan(plan_path)])
     seam.flush()
     kvm = sched.kv_cache_manager
     orig_alloc = kvm.allocate_slots
@@ -92,20 +68,17 @@ def install_emulated_seam(sched: Any, plan_path: Path) -> EmulatedSeam:
         new_computed = int(kwargs.get("num_new_computed_tokens", args[1] if len(args) > 1 else 0))
         waiting = str(getattr(request.status, "name", request.status)) in ("WAITING", "PREEMPTED")
         partial = waiting and new_computed % seam.block_size != 0
-
-        def applies(site: str) -> bool:
-            return site == SITE_MAP or (site == SITE_ADMISSION and waiting) or (site == SITE_COW_ADMISSION and partial)
-
-        # Every applicable rule sees the check (no short-circuit), as separate seams would.
-        fired = [s.check() for s in seam.states if applies(s.rule.site)]
+        sites = ["map"] + (["admission"] if waiting else []) + (["cow_admission"] if partial else [])
+        # Every applicable rule sees the check (no short-circuit), as kvcached's injector does.
+        fired = [s.check(s.rule.site) for s in seam.states if s.rule.site in sites]
         if any(fired):
             seam.flush()
             return None
         result = orig_alloc(request, *args, **kwargs)
         if result is not None and partial:
-            newly = [s for s in seam.states if not s.triggered]
+            newly = [s for s in seam.states if not s.armed]
             for s in newly:
-                s.triggered = True
+                s.trigger("partial_prefix_hit")
             if newly:
                 seam.flush()
         return result

@@ -35,7 +35,6 @@ from typing import Any
 from conformance.cases import Case, Control, Scheduling
 from conformance.engine import agent, overrides
 from conformance.engine.handle import EngineHandle, kvcached_requested
-from conformance.faultplan import read_fired, read_triggers, write_plan
 from conformance.geometry import Geometry, prompt_lengths
 from conformance.results import (
     Budget,
@@ -52,6 +51,7 @@ from conformance.results import (
     write_atomic,
 )
 from conformance.workload import Prompt, Workload, build_workload, stable_seed
+from kvcached.faults import read_fired, read_triggers, write_plan
 
 DEFAULT_MAX_MODEL_LEN = 2048
 

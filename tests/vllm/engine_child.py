@@ -205,9 +205,10 @@ def kvcached_pool(llm: Any) -> Any:
     return pool
 
 
-def pool_stats() -> dict[str, dict[str, int]]:
+def pool_stats() -> dict[str, dict[str, int | str]]:
     """``kvcached.stats()`` as plain data."""
-    return {name: {k: int(v) for k, v in dataclasses.asdict(st).items()} for name, st in _kvcached_stats().items()}
+    return {name: {k: v if k == "health" else int(v) for k, v in dataclasses.asdict(st).items()}
+            for name, st in _kvcached_stats().items()}
 
 
 def shutdown(llm: Any) -> None:

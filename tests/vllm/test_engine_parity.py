@@ -155,7 +155,7 @@ def _generate(llm: Any, batch: list[list[int]]) -> tuple[list[list[int]], list[i
     return [list(o.outputs[0].token_ids) for o in outs], [int(o.num_cached_tokens or 0) for o in outs]
 
 
-def _only_pool_stats() -> dict[str, int]:
+def _only_pool_stats() -> dict[str, int | str]:
     (stats,) = pool_stats().values()  # exactly one pool: the previous case's left at shutdown
     return stats
 
@@ -286,6 +286,7 @@ def test_pages_mapped_during_run_and_given_back_when_idle(runs: dict[str, Any], 
     idle, after_run = elastic["stats_idle"], elastic["stats_after_run"]
     assert idle["peak_mapped_bytes"] > 0 and idle["maps"] > 0
     assert idle["live_blocks"] == 1, "only the null block stays held once the cache is reset"
+    assert idle["health"] == after_run["health"] == "healthy" and idle["quarantined_pages"] == 0
     assert idle["reserved_idle_bytes"] == RESERVE_PAGES * page
     assert idle["mapped_bytes"] == (1 + RESERVE_PAGES) * page, "more than the null block's page and the reserve"
     if case_id in FITS_ONE_KV_PAGE:  # nothing beyond the idle set was ever needed, nor mapped

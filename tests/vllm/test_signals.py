@@ -1,0 +1,130 @@
+"""Signals and teardown: `vllm serve` with kvcached stopped by SIGTERM or SIGINT mid-run.
+
+Each server gets a budget record of its own (``KVCACHED_BUDGET_DIR``). Requests are in
+flight (the record shows the engine's blocks in use) when the signal arrives. Afterwards:
+
+* no process of the server survives (its memfds and threads went with it);
+* the record holds no entry at all, live or dead: a clean exit releases its entries;
+* no file the server created in ``/dev/shm`` is left, and no more than native vLLM leaves
+  under the same signal (the control);
+* the exit code is native's, and the log has no kvcached frame or line after the signal;
+* the next start on the same record works and serves.
+
+A worker SIGKILLed at TP=2 is in ``test_serve.py`` (which checks the record there too).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conformance.cases import ARCHETYPES
+from conformance.models import ensure_model
+from conformance.orchestrate.serve import ACTIVE_LINE, Server, ServerError, ServerSpec, start_server, with_tokenizer
+from kvcached.budget import BudgetRecord
+
+pytestmark = [pytest.mark.multiprocess]  # every wait below is bounded
+
+SHM = Path("/dev/shm")
+
+
+def _shm() -> set[str]:
+    return {p.name for p in SHM.iterdir()} if SHM.is_dir() else set()
+
+
+def _record(budget_dir: Path) -> BudgetRecord:
+    """The host record under ``KVCACHED_BUDGET_DIR=budget_dir`` (`kvcached.budget.default_path`)."""
+    return BudgetRecord(str(budget_dir / "host.budget"), create=False)
+
+
+def _in_flight(server: Server, n: int = 8) -> list[threading.Thread]:
+    """``n`` long completions on threads of their own; their errors (the server goes away)
+    are expected and dropped: what matters is that none hangs."""
+    def one(i: int) -> None:
+        try:
+            server.complete([5 + i, 6, 7, 8] * 8, 400, timeout_s=120)
+        except (ServerError, OSError):
+            pass
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _stop_mid_run(server: Server, sig: signal.Signals, budget_dir: Path | None) -> dict[str, object]:
+    """Send ``sig`` while requests run; what is left once the server is gone."""
+    family = psutil.Process(server.proc.pid).children(recursive=True)
+    threads = _in_flight(server)
+    deadline = time.monotonic() + 60
+    if budget_dir is not None:  # wait until the engine has published blocks in use
+        record = _record(budget_dir)
+        while not any(e.in_use for e in record.snapshot().engines):
+            assert time.monotonic() < deadline, "the requests never showed up in the record"
+            time.sleep(0.05)
+        record.close()
+    else:
+        time.sleep(2.0)
+    signalled = len(server.log())
+    server.proc.send_signal(sig)
+    exit_code = server.proc.wait(120)
+    for t in threads:
+        t.join(130)
+    _, alive = psutil.wait_procs(family, timeout=30)
+    out: dict[str, object] = {
+        "exit": exit_code,
+        "hung_clients": sum(t.is_alive() for t in threads),
+        "survivors": [p.pid for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE],
+        "after_signal": server.log()[signalled:],
+    }
+    if budget_dir is not None:
+        record = _record(budget_dir)
+        everything = record.snapshot(include_dead=True)
+        out["entries"] = len(everything.slots) + len(everything.engines)
+        record.close()
+    return out
+
+
+def _side(spec: ServerSpec, model: Path, logs: Path, sig: signal.Signals, budget_dir: Path | None) -> dict[str, object]:
+    before = _shm()
+    server = start_server(spec, model, logs)
+    try:
+        server.wait_healthy()
+        result = _stop_mid_run(server, sig, budget_dir)
+    finally:
+        server.stop()
+    result["shm_left"] = sorted(_shm() - before)
+    return result
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_mid_run_leaves_nothing_behind(tmp_path: Path, sig: signal.Signals) -> None:
+    model = with_tokenizer(ensure_model(ARCHETYPES["llama"].model), tmp_path / "model")
+    budget_dir = tmp_path / "budget"
+    budget_dir.mkdir(mode=0o700)
+    env = (("KVCACHED_PAGE_SIZE", str(64 << 10)), ("KVCACHED_BUDGET_DIR", str(budget_dir)))
+    kvc = _side(ServerSpec("kvcached", True, extra_env=env), model, tmp_path / "logs", sig, budget_dir)
+    native = _side(ServerSpec("native", False), model, tmp_path / "logs", sig, None)
+
+    assert kvc["survivors"] == [] and native["survivors"] == []
+    assert kvc["hung_clients"] == 0 and native["hung_clients"] == 0
+    assert kvc["entries"] == 0, "a clean exit releases every record entry it holds"
+    assert len(kvc["shm_left"]) <= len(native["shm_left"]), (kvc["shm_left"], native["shm_left"])  # type: ignore[arg-type]
+    assert not any("kvcached" in name for name in kvc["shm_left"])  # type: ignore[union-attr]
+    assert kvc["exit"] == native["exit"]
+    after = str(kvc["after_signal"])
+    assert "/kvcached/" not in after and "kvcached" not in after.lower(), after[-2000:]
+
+    # The next start on the same record works and serves.
+    server = start_server(ServerSpec("kvcached-again", True, extra_env=env), model, tmp_path / "logs")
+    try:
+        server.wait_healthy()
+        assert server.complete([5, 6, 7, 8], 4)
+        assert ACTIVE_LINE in server.log()
+    finally:
+        assert server.stop() == 0
