@@ -28,6 +28,7 @@ from conformance.orchestrate.serve import (
     serving,
     with_tokenizer,
 )
+from kvcached.budget import BudgetRecord
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -118,8 +119,13 @@ def test_a_dead_worker_fails_the_server_as_native_does(tmp_path: Path) -> None:
     """TP=2: rank 1's worker is killed. Like native vLLM, the client gets an error, the server
     exits on its own, and no process of it survives (so no memory of any rank stays held)."""
     model = with_tokenizer(ensure_model(ARCHETYPES["llama"].model), tmp_path / "model")
-    kvc = _dead_worker(ServerSpec("kvcached", True, 2, (("KVCACHED_PAGE_SIZE", str(64 << 10)),)), model,
-                       tmp_path / "logs")
+    budget_dir = tmp_path / "budget"
+    budget_dir.mkdir(mode=0o700)
+    env = (("KVCACHED_PAGE_SIZE", str(64 << 10)), ("KVCACHED_BUDGET_DIR", str(budget_dir)))
+    kvc = _dead_worker(ServerSpec("kvcached", True, 2, env), model, tmp_path / "logs")
+    with BudgetRecord(str(budget_dir / "host.budget"), create=False) as record:
+        live = record.snapshot()
+    assert live.slots == () and live.engines == (), "no rank or engine of the dead server holds the budget"
     native = _dead_worker(ServerSpec("native", False, 2), model, tmp_path / "logs")
     for name, side in (("kvcached", kvc), ("native", native)):
         assert "EngineCore encountered an issue" in str(side["error"]), name
