@@ -250,6 +250,29 @@ def test_layer_coverage_is_checked() -> None:
         GPUModelRunner._allocate_kv_cache_tensors(make_runner(config, []), config)
 
 
+UNSERVABLE = {
+    "no KV tensors": ([], "no KV tensors"),
+    "unequal blocks": ([KVCacheTensor(size=N * ATTN_PAGE + 1, shared_by=["l0"])], "not 12 equal blocks"),
+    "packed, too small": ([KVCacheTensor(size=N * ATTN_PAGE - 1, shared_by=["l0"], offset=0, block_stride=ATTN_PAGE)],
+                          "cannot hold 12 blocks"),
+    "packed, disagreeing": ([KVCacheTensor(size=N * ATTN_PAGE, shared_by=["l0"], offset=0, block_stride=ATTN_PAGE),
+                             KVCacheTensor(size=2 * N * ATTN_PAGE, shared_by=["l1"], offset=0,
+                                           block_stride=2 * ATTN_PAGE)], "disagree on the shared backing"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNSERVABLE))
+def test_kv_tensors_kvcached_cannot_serve_are_refused_before_anything_maps(case: str) -> None:
+    """Each is an IntegrationError naming the problem; no range is reserved, nothing registered.
+    Control: the same layer with a servable tensor allocates (`test_full_attention_layers`)."""
+    tensors, match = UNSERVABLE[case]
+    names = [n for t in tensors for n in t.shared_by] or ["l0"]
+    config = KVCacheConfig(num_blocks=N, kv_cache_tensors=tensors, kv_cache_groups=[KVCacheGroupSpec(names, ATTN)])
+    with pytest.raises(IntegrationError, match=match):
+        GPUModelRunner._allocate_kv_cache_tensors(make_runner(config, [(ATTN, CPUAttentionBackend, names)]), config)
+    assert worker.registered_rank_kv() == []
+
+
 def test_a_budget_smaller_than_one_kv_page_is_refused_before_anything_maps(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     config = KVCacheConfig(
