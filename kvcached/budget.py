@@ -285,14 +285,21 @@ class BudgetRecord:
     stay alive while it is open; `close` gives them up (their charges go with them).
     """
 
-    def __init__(self, path: str, *, limit: int | None = None, create: bool = True) -> None:
+    def __init__(self, path: str, *, limit: int | None = None, default_limit: int | None = None,
+                 create: bool = True) -> None:
         """Open (or, with ``create``, create) the record at ``path``.
 
         ``limit``: the global limit this caller asks for (None: join with the record's). It
         is applied if no live entry exists, else it must equal the record's (`BudgetConflict`).
+        ``default_limit`` (only without ``limit``): what is safe now (a CPU host's derived
+        budget, `kvcached.host`); if no live entry exists the record's limit becomes it, or
+        stays lower if it was lower. Live engines' limit is joined, never changed.
         """
-        if limit is not None and limit < 0:
-            raise ConfigError(f"a budget limit must be >= 0 bytes, got {limit}")
+        for value in (limit, default_limit):
+            if value is not None and value < 0:
+                raise ConfigError(f"a budget limit must be >= 0 bytes, got {value}")
+        if limit is not None and default_limit is not None:
+            raise ConfigError("ask a budget record for a limit or for a default limit, not both")
         self.path = path
         self._lock = threading.Lock()
         self._pid = os.getpid()
@@ -313,6 +320,8 @@ class BudgetRecord:
                             f"{_bytes(state.limit)}, this one asks for {_bytes(limit)}; unset KVCACHED_BUDGET_BYTES "
                             f"to join with theirs, or change it for all with `kvctl limit --global BYTES`")
                     state.limit = limit
+                elif default_limit is not None and not live:
+                    state.limit = default_limit if state.limit is None else min(state.limit, default_limit)
         except BaseException:
             self._finalizer()
             raise
@@ -635,13 +644,14 @@ def record_path(budget_path: str | None, device: str) -> str | None:
 
 
 def open_slot(budget_path: str | None, limit: int | None, device: str, *, rank: int,
-              label: str = "") -> tuple[BudgetRecord, Slot] | None:
-    """Open ``device``'s record, asking for the global ``limit``, and claim a slot there
-    for this process; None when budgets are off. All or nothing."""
+              label: str = "", default_limit: int | None = None) -> tuple[BudgetRecord, Slot] | None:
+    """Open ``device``'s record, asking for the global ``limit`` (or offering ``default_limit``,
+    see `BudgetRecord`), and claim a slot there for this process; None when budgets are off.
+    All or nothing."""
     path = record_path(budget_path, device)
     if path is None:
         return None
-    record = BudgetRecord(path, limit=limit)
+    record = BudgetRecord(path, limit=limit, default_limit=default_limit)
     try:
         return record, record.slot(rank=rank, device=device[:16], label=label)
     except BaseException:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvcached.errors import ConfigError
+from kvcached.host import parse_reserve
 
 MiB = 1 << 20
 
@@ -89,6 +90,7 @@ _ENV: dict[str, tuple[str, str, float, float | None]] = {
     "max_cached_blocks": ("KVCACHED_MAX_CACHED_BLOCKS", "cap", -1, None),
     "fault_plan": ("KVCACHED_FAULT_PLAN", "str", 0, None),
     "background_refill": ("KVCACHED_BACKGROUND_REFILL", "str", 0, None),
+    "host_reserve": ("KVCACHED_HOST_RESERVE", "reserve", 0, None),
 }
 
 #: ``auto``: refills sent ahead run on a background thread only where the worker runs in
@@ -102,6 +104,10 @@ BACKGROUND_REFILL = ("auto", "on", "off")
 #: evicted at once instead of when the pool runs full, so some prefix hits are lost
 #: (`benchmarks/bench_elasticity.py` measures both). ``-1`` keeps vLLM's own caching.
 DEFAULT_MAX_CACHED = "10%"
+
+#: Host memory a CPU engine without an explicit budget keeps free of KV (`kvcached.host`):
+#: the OS, the engines' own growth and other processes need room too.
+DEFAULT_HOST_RESERVE = "10%"
 
 
 def _parse_cap(name: str, raw: str | int) -> int | str:
@@ -137,7 +143,9 @@ class KvcachedConfig:
     limit) or the global limit >= 0 to ask that record for (`kvcached.budget`);
     ``budget_path`` is None (the per-user default record of the device), a record's path,
     or ``"off"`` (no record: nothing shared, nothing limited); ``max_cached_blocks`` is -1 (unlimited), a block count >= 0 or ``"P%"`` of the pool
-    (`cached_cap` turns it into blocks).
+    (`cached_cap` turns it into blocks). ``host_reserve`` is what a CPU engine without a
+    ``budget_bytes`` keeps free of KV when it derives the host record's limit
+    (`kvcached.host`): bytes, ``"P%"`` of the host's memory, or None (``off``: no limit derived).
     """
 
     page_size: int = 2 * MiB
@@ -151,6 +159,7 @@ class KvcachedConfig:
     max_cached_blocks: int | str = DEFAULT_MAX_CACHED
     fault_plan: str | None = None
     background_refill: str = "auto"
+    host_reserve: int | str | None = DEFAULT_HOST_RESERVE
 
     @classmethod
     def resolve(cls, env: Mapping[str, str] | None = None, **explicit: Any) -> KvcachedConfig:
@@ -174,6 +183,8 @@ class KvcachedConfig:
                 values[name] = _parse_float(var, raw, float(lo), hi) / 1000.0
             elif kind == "cap":
                 values[name] = _parse_cap(var, raw)
+            elif kind == "reserve":
+                values[name] = parse_reserve(var, raw)
             elif name == "background_refill":
                 values[name] = raw.strip().lower()
             else:
@@ -212,6 +223,9 @@ class KvcachedConfig:
         if self.background_refill not in BACKGROUND_REFILL:
             raise ConfigError(f"KVCACHED_BACKGROUND_REFILL={self.background_refill!r}; accepted: "
                               f"{', '.join(BACKGROUND_REFILL)}")
+        if self.host_reserve is not None and parse_reserve(
+                "KVCACHED_HOST_RESERVE", str(self.host_reserve)) != self.host_reserve:
+            raise ConfigError(f"KVCACHED_HOST_RESERVE={self.host_reserve!r} is not in canonical form")
         if _parse_cap("KVCACHED_MAX_CACHED_BLOCKS", self.max_cached_blocks) != self.max_cached_blocks:
             raise ConfigError(f"KVCACHED_MAX_CACHED_BLOCKS={self.max_cached_blocks!r} is not in canonical form")
 

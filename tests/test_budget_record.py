@@ -202,6 +202,22 @@ def test_a_second_engine_cannot_silently_replace_the_limit(tmp_path: Path) -> No
     assert BudgetRecord(path, limit=2 * PAGE).snapshot().limit == 2 * PAGE  # nobody live: a new epoch
 
 
+def test_a_default_limit_applies_only_with_nobody_live_and_only_lowers(tmp_path: Path) -> None:
+    """A CPU host's derived budget (`kvcached.host`): it sets the limit of a record nobody
+    holds, lowers a higher one left from before, keeps a lower one, and joins live engines'."""
+    path = str(tmp_path / "b")
+    assert BudgetRecord(path, default_limit=8 * PAGE).snapshot().limit == 8 * PAGE  # none before
+    assert BudgetRecord(path, default_limit=16 * PAGE).snapshot().limit == 8 * PAGE  # lower stays
+    assert BudgetRecord(path, default_limit=4 * PAGE).snapshot().limit == 4 * PAGE  # higher lowered
+    with BudgetRecord(path) as live:
+        live.slot(rank=0, device="cpu")
+        assert BudgetRecord(path, default_limit=PAGE).snapshot().limit == 4 * PAGE, "live: joined"
+    with pytest.raises(ConfigError, match="not both"):
+        BudgetRecord(path, limit=PAGE, default_limit=PAGE)
+    with pytest.raises(ConfigError, match=">= 0"):
+        BudgetRecord(path, default_limit=-1)
+
+
 def test_lowering_the_limit_below_usage_takes_nothing_and_refuses_more(tmp_path: Path) -> None:
     with BudgetRecord(str(tmp_path / "b"), limit=4 * PAGE) as record:
         s = space(record.slot(rank=0, device="cpu"))

@@ -42,6 +42,7 @@ from engine_child import (
 
 from conformance.vllm_series import attention_block_size
 from kvcached.budget import BudgetRecord
+from kvcached.host import read_host_memory
 from kvcached.integration.vllm import worker
 from kvcached.integration.vllm.capabilities import detect
 
@@ -195,10 +196,17 @@ def seams(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def test_physical_cap_sources(seams: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    assert worker.physical_cap_bytes() is None
     path = tmp_path / "arena"
     seams.setenv("KVCACHED_BUDGET_PATH", str(path))
-    assert worker.physical_cap_bytes() is None  # no record yet: an engine would create one without a limit
+    seams.setenv("KVCACHED_HOST_RESERVE", "1073741824")
+    derived = worker.physical_cap_bytes()  # no record yet: the host budget an engine would derive
+    assert derived is not None and abs(derived - (read_host_memory().available - (1 << 30))) < 256 * MiB
+    seams.setenv("KVCACHED_HOST_RESERVE", "off")
+    assert worker.physical_cap_bytes() is None  # no record, nothing derived: no limit
+    seams.setenv("KVCACHED_BUDGET_PATH", "off")
+    seams.delenv("KVCACHED_HOST_RESERVE")
+    assert worker.physical_cap_bytes() is None  # budgets off: nothing is limited
+    seams.setenv("KVCACHED_BUDGET_PATH", str(path))
     assert not path.exists()
     BudgetRecord(str(path), limit=3 * MiB).close()
     assert worker.physical_cap_bytes() == 3 * MiB  # the shared record's limit

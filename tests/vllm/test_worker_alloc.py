@@ -288,3 +288,57 @@ def test_a_budget_smaller_than_one_kv_page_is_refused_before_anything_maps(
     assert worker.registered_rank_kv() == []
     with BudgetRecord(str(tmp_path / "host.budget"), create=False) as record:
         assert record.snapshot().slots == (), "the slot went with the failed allocation"
+
+
+def _forget_all() -> None:
+    """Engine teardown of every space built so far (its slot in the record goes with it)."""
+    for kv in worker.registered_rank_kv():
+        worker.forget_rank_kv(kv)
+
+
+def _one_layer() -> tuple[KVCacheConfig, list[tuple[Any, type, list[str]]]]:
+    config = KVCacheConfig(num_blocks=N, kv_cache_tensors=[KVCacheTensor(size=N * ATTN_PAGE, shared_by=["l0"])],
+                           kv_cache_groups=[KVCacheGroupSpec(["l0"], ATTN)])
+    return config, [(ATTN, CPUAttentionBackend, ["l0"])]
+
+
+def test_without_a_budget_a_cpu_engine_derives_one_from_host_memory(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The host record's limit becomes the memory available at allocation less the reserve,
+    so running out is a scheduling miss rather than the OOM killer. Controls: an explicit
+    budget is used as given; ``off`` derives nothing."""
+    from kvcached.host import read_host_memory
+
+    record_path = tmp_path / "host.budget"
+    monkeypatch.setenv("KVCACHED_BUDGET_PATH", str(record_path))
+    monkeypatch.setenv("KVCACHED_HOST_RESERVE", str(1 << 30))
+    before = read_host_memory().available
+    build(*_one_layer())
+    after = read_host_memory().available
+    with BudgetRecord(str(record_path), create=False) as record:
+        limit = record.snapshot().limit
+    assert limit is not None and min(before, after) - (1 << 30) - (64 << 20) <= limit <= max(before, after) - (1 << 30)
+    _forget_all()
+
+    monkeypatch.setenv("KVCACHED_BUDGET_BYTES", str(1 << 20))
+    build(*_one_layer())
+    with BudgetRecord(str(record_path), create=False) as record:
+        assert record.snapshot().limit == 1 << 20
+    _forget_all()
+
+    monkeypatch.delenv("KVCACHED_BUDGET_BYTES")
+    monkeypatch.setenv("KVCACHED_HOST_RESERVE", "off")
+    record_path.unlink()
+    build(*_one_layer())
+    with BudgetRecord(str(record_path), create=False) as record:
+        assert record.snapshot().limit is None
+    _forget_all()
+
+
+def test_a_host_with_no_room_left_is_a_clear_error_at_allocation(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    monkeypatch.setenv("KVCACHED_BUDGET_PATH", str(tmp_path / "host.budget"))
+    monkeypatch.setenv("KVCACHED_HOST_RESERVE", "100%")  # nothing left for KV
+    with pytest.raises(ConfigError, match=r"global limit \(0 bytes.*smaller than one kv page"):
+        build(*_one_layer())
+    assert worker.registered_rank_kv() == []

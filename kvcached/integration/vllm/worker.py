@@ -142,6 +142,7 @@ from kvcached.config import KvcachedConfig
 from kvcached.copy import copy_blocks
 from kvcached.errors import ConfigError, CopyValidationError, IntegrationError
 from kvcached.faults import FaultInjector
+from kvcached.host import default_host_limit
 from kvcached.integration.vllm import install_state
 from kvcached.integration.vllm.capabilities import Capabilities
 from kvcached.integration.vllm.patching import PatchSet, require_own
@@ -359,7 +360,8 @@ def _open_backings(block_strides: Sequence[int], row_bytes: Sequence[int], num_b
     backings = _Backings(geometry, config, [], [], {})
     try:
         backings.budget = open_slot(config.budget_path, config.budget_bytes, device, rank=_current_rank(),
-                                    label=f"pid {os.getpid()} rank {_current_rank()}")
+                                    label=f"pid {os.getpid()} rank {_current_rank()}",
+                                    default_limit=_host_default(config, device))
         _check_budget_holds_a_page(backings, geometry)
         for stride, size, reserved in zip(block_strides, row_bytes, geometry.reserved_bytes, strict=True):
             # reserved = whole kv pages covering num_blocks * stride >= size
@@ -371,6 +373,15 @@ def _open_backings(block_strides: Sequence[int], row_bytes: Sequence[int], num_b
         backings.close()
         raise
     return backings
+
+
+def _host_default(config: KvcachedConfig, device: str) -> int | None:
+    """On CPU without an explicit budget: the host budget derived from the memory available
+    now (`kvcached.host`), so running out is a scheduling miss, not the OOM killer. None on
+    a GPU (a failed ``cuMemCreate`` is the miss there) or with ``KVCACHED_HOST_RESERVE=off``."""
+    if device != "cpu" or config.budget_bytes is not None or config.host_reserve is None:
+        return None
+    return default_host_limit(config.host_reserve)
 
 
 def _check_budget_holds_a_page(backings: _Backings, geometry: _space.Geometry) -> None:
@@ -637,16 +648,19 @@ def physical_cap_bytes(config: KvcachedConfig | None = None, device: str = "cpu"
     """The physical bytes this engine's KV pages may ever occupy, or None (no limit).
 
     ``budget_bytes`` wins (the engine will ask the device's record for exactly that limit).
-    Otherwise the global limit the device's record already has, if the record exists.
+    Otherwise the lower of the global limit the device's record already has (if the record
+    exists) and, on CPU, the host budget the engine would derive now (`_host_default`).
     """
     config = config if config is not None else KvcachedConfig.resolve()
     if config.budget_bytes is not None:
         return config.budget_bytes
     path = record_path(config.budget_path, device)
-    if path is None or not os.path.exists(path):
-        return None
-    with BudgetRecord(path, create=False) as record:
-        return record.snapshot().limit
+    limits = [] if path is None else [_host_default(config, device)]
+    if path is not None and os.path.exists(path):
+        with BudgetRecord(path, create=False) as record:
+            limits.append(record.snapshot().limit)
+    known = [limit for limit in limits if limit is not None]
+    return min(known) if known else None
 
 
 def capped_kv_bytes(virtual_bytes: int, config: KvcachedConfig | None = None, device: str = "cpu") -> int:
