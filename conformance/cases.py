@@ -105,8 +105,36 @@ CACHED_CAP = FaultPlan(
     cached_cap=2,
     description="at most 2 cached-but-free blocks kept (prefix hits evicted by design)",
 )
+#: The fault sweep's sites (#14): where kvcached allocates, each failed at one of its first
+#: `SWEEP_OCCURRENCES` checks. ``map`` is every kv page the page pool maps (reserve refills
+#: and the pages of new blocks alike); ``rank1_map`` a map request on rank 1 only (TP=2).
+SWEEP_SITES = {
+    "admission": "the n-th physical admission check",
+    "cow_admission": "the n-th copy-on-write admission after a real partial-prefix hit",
+    "map": "the n-th kv page mapped (reserve refill or new blocks)",
+    "rank1_map": "the n-th map request rank 1 receives (TP=2, that rank only)",
+}
+SWEEP_OCCURRENCES = 3
+
+
+def sweep_plan(site: str, occurrence: int) -> FaultPlan:
+    """Fail the ``occurrence``-th check of ``site`` once (a sweep point)."""
+    trigger = "partial_prefix_hit" if site == "cow_admission" else None
+    return FaultPlan(
+        f"sweep-{site.replace('_', '-')}-{occurrence}",
+        (FaultRule(site, fail_next=1, skip=occurrence - 1, after_trigger=trigger),),
+        description=f"fault sweep: {SWEEP_SITES[site].replace('n-th', _ordinal(occurrence))} fails",
+    )
+
+
+def _ordinal(n: int) -> str:
+    return {1: "first", 2: "second", 3: "third"}.get(n, f"{n}th")
+
+
+SWEEP_PLANS = [sweep_plan(site, k) for site in SWEEP_SITES for k in range(1, SWEEP_OCCURRENCES + 1)]
+
 FAULT_PLANS: dict[str, FaultPlan] = {
-    p.name: p for p in (NO_FAULTS, COW_ADMISSION_X2, MAP_MID_ALLOCATION, TINY_BUDGET, CACHED_CAP)
+    p.name: p for p in (NO_FAULTS, COW_ADMISSION_X2, MAP_MID_ALLOCATION, TINY_BUDGET, CACHED_CAP, *SWEEP_PLANS)
 }
 
 
@@ -391,6 +419,24 @@ def quick_matrix() -> list[Case]:
         Case(llama, Scheduling.SYNC, layout=Layout.TP2),
     ]
     return cases + control_cases(("llama",))
+
+
+def sweep_matrix(quick: bool = False) -> list[Case]:
+    """The fault sweep: every site failed at each of its first three checks, with the
+    synchronous and the asynchronous scheduler (the rank site at TP=2, synchronous). The
+    quick subset (CI) fails each site's first check, synchronously."""
+    llama, nem = ARCHETYPES["llama"], ARCHETYPES["nemotron_h"]
+    occurrences = (1,) if quick else tuple(range(1, SWEEP_OCCURRENCES + 1))
+    scheds = (Scheduling.SYNC,) if quick else (Scheduling.SYNC, Scheduling.ASYNC)
+    cases: list[Case] = []
+    for k in occurrences:
+        for s in scheds:
+            cases.append(Case(llama, s, pattern=PrefixPattern.SHARED_CONCURRENT, fault=sweep_plan("admission", k)))
+            cases.append(Case(llama, s, pattern=PrefixPattern.SHARED_CONCURRENT, fault=sweep_plan("map", k)))
+            cases.append(Case(nem, s, pattern=PrefixPattern.PARTIAL_COW, fault=sweep_plan("cow_admission", k)))
+        cases.append(Case(llama, Scheduling.SYNC, pattern=PrefixPattern.SHARED_CONCURRENT,
+                          fault=sweep_plan("rank1_map", k), layout=Layout.TP2))
+    return cases
 
 
 def control_cases(archetypes: Iterable[str]) -> list[Case]:

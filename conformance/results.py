@@ -206,6 +206,10 @@ class KvcachedFacts(_Strict):
     pools_start: dict[str, PoolFacts]
     pools_end: dict[str, PoolFacts]
     copies: list[CopyFacts]
+    #: After the KV snapshot, once the prefix cache was reset: what the pool holds idle (None:
+    #: not measured). ``idle_reset_refused``: vLLM refused the reset, blocks were still in use.
+    pools_idle: dict[str, PoolFacts] | None = None
+    idle_reset_refused: bool = False
 
     @property
     def admission_misses(self) -> int:

@@ -28,7 +28,7 @@ def test_default_matrix_covers_the_issue() -> None:
         "qwen3_5",  # declared everywhere; select_cases leaves it out without CUDA
     }
     assert {c.scheduling for c in m} == {C.Scheduling.SYNC, C.Scheduling.ASYNC}
-    assert {c.fault.name for c in m} == set(C.FAULT_PLANS)
+    assert {c.fault.name for c in m} == set(C.FAULT_PLANS) - {p.name for p in C.SWEEP_PLANS}
     assert {c.pattern for c in m} == set(C.PrefixPattern)
     assert any(not c.prefix_caching for c in m)
     # CoW admission failures in both schedulers; controls every time.
@@ -40,7 +40,7 @@ def test_default_matrix_covers_the_issue() -> None:
 def test_quick_matrix_is_small_but_complete() -> None:
     q = C.quick_matrix()
     assert len(q) <= 12
-    assert {c.fault.name for c in q} == set(C.FAULT_PLANS)
+    assert {c.fault.name for c in q} == set(C.FAULT_PLANS) - {p.name for p in C.SWEEP_PLANS}
     assert {c.control for c in q if c.is_control} == {C.Control.BASELINE, C.Control.NEG_WEIGHTS, C.Control.NEG_KV}
 
 
@@ -63,3 +63,14 @@ def test_select_keeps_controls_under_fault_filter() -> None:
     assert any(c.is_control for c in sel)
     assert all(c.scheduling is C.Scheduling.ASYNC for c in C.select(m, schedulers=["async"]))
     assert {c.archetype.name for c in C.select(m, archetypes=["nemotron_h"])} == {"nemotron_h"}
+
+
+def test_the_sweep_fails_every_site_at_each_of_its_first_three_checks() -> None:
+    full, quick = C.sweep_matrix(), C.sweep_matrix(quick=True)
+    points = {(r.site, r.skip + 1) for c in full for r in c.fault.rules}
+    assert points == {(site, k) for site in C.SWEEP_SITES for k in (1, 2, 3)}
+    assert all(r.fail_next == 1 and c.fault.expected_fired == 1 for c in full for r in c.fault.rules)
+    assert {c.scheduling for c in full if c.layout is C.Layout.INPROC} == {C.Scheduling.SYNC, C.Scheduling.ASYNC}
+    assert {c.layout for c in full if c.fault.rules[0].site == "rank1_map"} == {C.Layout.TP2}
+    assert {(r.site, r.skip) for c in quick for r in c.fault.rules} == {(site, 0) for site in C.SWEEP_SITES}
+    assert len({c.case_id for c in full}) == len(full) == 21

@@ -253,3 +253,41 @@ def test_prefix_hits_must_match_native_unless_the_case_caps_cached_blocks(tmp_pa
     oth.requests[1].num_cached_tokens = 16
     row, _ = compare_results(capped, ref, oth, empty, empty, True)
     assert not row.passed and "evicted no prefix hit" in " ".join(row.problems)
+
+
+def _pool(**changes: Any) -> Any:
+    from conformance.results import PoolFacts
+
+    page = 64 << 10
+    facts = {"mapped_bytes": 5 * page, "peak_mapped_bytes": 9 * page, "reserved_idle_bytes": 4 * page, "live_blocks": 1,
+                 "capacity_blocks": 100, "kv_page_bytes": page, "vmm_page_bytes": page, "rank_round_trips": 0, "maps": 9, "unmaps": 4,
+                 "map_failures": 1, "admission_misses": 1, "page_takes": 5, "reserve_hits": 5, "blocking_maps": 0, "unmap_failures": 0,
+                 "quarantined_pages": 0, "health": "healthy"}
+    facts.update(changes)
+    return PoolFacts(**facts)
+
+
+@pytest.mark.parametrize(("changes", "problem"), [
+    ({}, None),
+    ({"mapped_bytes": 6 * (64 << 10)}, "1 kv page(s) mapped beyond"),
+    ({"live_blocks": 2}, "2 live block(s)"),
+    ({"quarantined_pages": 1, "health": "degraded"}, "1 quarantined page(s), degraded"),
+])
+def test_an_idle_pool_holds_the_null_page_and_the_reserve_only(tmp_path: Path, changes: dict[str, Any],
+                                                                problem: str | None) -> None:
+    """After the requests and a prefix-cache reset, anything beyond the null block's page and
+    the reserve is a leak (the fault sweep's "nothing leaked"); the first row is the control."""
+    from conformance.results import CopyFacts, KvcachedFacts
+
+    empty = _kv_files(tmp_path, "empty", {})
+    ref, oth = _result([[1, 2, 3, 4]]), _result([[1, 2, 3, 4]], engine="kvcached")
+    copies = [CopyFacts(batches=0, block_copies=0, runs_copied=0)]
+    oth.kvcached = KvcachedFacts(pools_start={}, pools_end={}, copies=copies, pools_idle={"vllm": _pool(**changes)})
+    row, _ = compare_results(NOPC, ref, oth, empty, empty, True)
+    if problem is None:
+        assert row.passed, row.problems
+    else:
+        assert not row.passed and problem in " ".join(row.problems), row.problems
+    oth.kvcached = KvcachedFacts(pools_start={}, pools_end={}, copies=copies, idle_reset_refused=True)
+    row, _ = compare_results(NOPC, ref, oth, empty, empty, True)
+    assert not row.passed and "reset_prefix_cache refused" in " ".join(row.problems)

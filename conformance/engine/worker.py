@@ -278,8 +278,15 @@ class CaseRunner:
         # Taken now: the reference's replays below are outside the recorded schedule.
         res.metrics, res.probe = handle.metrics(), handle.probe_record()
         self._record_memory(handle, res, geo, pools_start, copies_start)
-        self._record_faults(knobs, res)
+        self._record_faults(knobs, res, case.layout.tensor_parallel)
         self._snapshot_kv(handle, case, res, out_json)
+        if res.kvcached is not None:
+            # What stays mapped once nothing is in use (the comparator checks it for leaks);
+            # after the snapshot, which reads the cached blocks.
+            if handle.llm.reset_prefix_cache():
+                res.kvcached.pools_idle = handle.kvcached_pools()
+            else:
+                res.kvcached.idle_reset_refused = True
         if self.job.side == "reference":
             # After the snapshot (replays allocate blocks and would change the cache).
             res.replay = self._replay_uncacheable(handle, case, workload, geo)
@@ -311,12 +318,19 @@ class CaseRunner:
         res.mapped_bytes_peak = sum(p.peak_mapped_bytes for p in pools_end.values())
         res.mapped_bytes_final = sum(p.mapped_bytes for p in pools_end.values())
 
-    def _record_faults(self, knobs: _Knobs, res: CaseResult) -> None:
+    def _record_faults(self, knobs: _Knobs, res: CaseResult, ranks: int) -> None:
+        """What fired: the scheduler's process's counts plus every rank's (rank sites)."""
         if knobs.plan_path is None:
             return
         if self._seam is not None:
             self._seam.flush_emulated_seam()
-        res.fault = FaultRecord(fired=read_fired(knobs.plan_path), triggers=read_triggers(knobs.plan_path))
+        files = [read_fired(knobs.plan_path)] + [read_fired(knobs.plan_path, rank=r) for r in range(ranks)]
+        fired: dict[str, int] | None = None
+        for counts in (f for f in files if f is not None):
+            fired = fired or {}
+            for site, n in counts.items():
+                fired[site] = fired.get(site, 0) + n
+        res.fault = FaultRecord(fired=fired, triggers=read_triggers(knobs.plan_path))
 
     def _snapshot_kv(self, handle: EngineHandle, case: Case, res: CaseResult, out_json: Path) -> None:
         """KV snapshot, with the results written first so a crash while reading KV shows."""

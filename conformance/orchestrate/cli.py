@@ -36,7 +36,11 @@ Engine layouts (--layouts): inproc (EngineCore and worker in the engine process)
 default multiprocess engine, TP=1), tp2 (multiprocess, tensor parallelism 2). The layout that
 really ran (executor, world size) is read from the engine and reported.
 
-Fault plans (--faults): none, cow-admission-x2, map-mid-alloc, tiny-budget.
+Fault plans (--faults): none, cow-admission-x2, map-mid-alloc, tiny-budget, cached-cap, and
+the sweep's sweep-<site>-<n>. --sweep runs the fault sweep instead of the parity matrix: each
+allocation site (admission, cow-admission, map, rank1-map) failed at each of its first three
+checks, sync and async (--quick: the first check, sync); `nox -s faults` writes it to
+reports/faults/.
 Archetypes (--archetypes): %(archetypes)s.
 Reports: reports/conformance/<run-id>/ and a copy in reports/conformance/latest/.
 Exit status: 0 all comparisons passed (negative controls caught) and no engine process
@@ -57,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--quick", action="store_true", help="smoke matrix (a few minutes; what CI runs)")
+    p.add_argument("--sweep", action="store_true", help="the fault sweep (with --quick: its CI subset)")
     p.add_argument("--archetypes", type=_csv, help="comma-separated archetypes to keep")
     p.add_argument("--schedulers", type=_csv, help="comma-separated: sync, async")
     p.add_argument("--faults", type=_csv, help="comma-separated fault plans to keep (controls always run)")
@@ -110,7 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def select_cases(args: argparse.Namespace) -> list[C.Case]:
-    matrix = C.quick_matrix() if args.quick else C.default_matrix()
+    if args.sweep:
+        matrix = C.sweep_matrix(args.quick) + C.control_cases(("llama",))
+    else:
+        matrix = C.quick_matrix() if args.quick else C.default_matrix()
     if args.no_controls:
         matrix = [c for c in matrix if not c.is_control]
     if not args.archetypes:  # the default matrix leaves out what cannot run here, and says so
@@ -158,7 +166,7 @@ def _plugin_status(candidate: str) -> str | None:
 
 def _config(args: argparse.Namespace) -> RunConfig:
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    run_id = args.run_id or f"{stamp}-{args.candidate}-{'quick' if args.quick else 'full'}"
+    run_id = args.run_id or f"{stamp}-{args.candidate}-{'sweep-' if args.sweep else ''}{'quick' if args.quick else 'full'}"
     return RunConfig(
         run_dir=args.reports_dir / run_id,
         candidate=args.candidate,

@@ -317,6 +317,26 @@ def _fault_plan_checks(case: Case, other: CaseResult, probe_partial_hits: int) -
     return text, found
 
 
+def _idle_checks(other: CaseResult) -> Findings:
+    """Once the requests are done and the prefix cache is reset, kvcached holds the null
+    block's page and its reserve, nothing else, and no page is quarantined (a fault, injected
+    or real, leaked nothing)."""
+    found = Findings()
+    facts = other.kvcached
+    if facts is None:
+        return found
+    if facts.idle_reset_refused:
+        found.problems.append("reset_prefix_cache refused after the requests finished: blocks still in use")
+    for name, pool in (facts.pools_idle or {}).items():
+        beyond = (pool.mapped_bytes - pool.reserved_idle_bytes) // pool.kv_page_bytes - 1
+        if pool.live_blocks != 1 or beyond != 0:
+            found.problems.append(f"pool {name} idle: {pool.live_blocks} live block(s) and {beyond} kv page(s) "
+                                  "mapped beyond the null block's page and the reserve (a leak)")
+        if pool.quarantined_pages or pool.health != "healthy":
+            found.problems.append(f"pool {name} idle: {pool.quarantined_pages} quarantined page(s), {pool.health}")
+    return found
+
+
 def _budget_checks(other: CaseResult, preemptions: int, peak: int) -> tuple[str, Findings]:
     """A physical budget must force preemption, and kvcached must stay within it."""
     found = Findings()
@@ -394,6 +414,7 @@ def fact_checks(pair: Pair, row: ParityRow) -> Findings:
                 f"kvcached copied {per_rank} block pair(s) per rank but the scheduler asked for "
                 f"{row.cow_copies_other} on every rank"
             )
+    found.extend(_idle_checks(other))
     found.extend(_prefix_hit_checks(pair, row))
     found.extend(_scheduler_checks(case, pair))
     found.extend(_layout_checks(case, pair))
