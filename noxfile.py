@@ -118,12 +118,17 @@ def sanitize(session: nox.Session) -> None:
         "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0:halt_on_error=1",
         "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
     }
-    tests_ = session.posargs or ["tests/test_vmm_cpu.py", "tests/test_vmm_budget_shared.py",
-                                 "tests/test_core_pool.py", "tests/test_core_ledger_state.py"]
+    # Hypothesis drives the bindings (test_vmm_cpu), the copy helper's inputs (test_copy) and
+    # the pool's public operations (test_core_ledger_state, a state machine) under ASan+UBSan;
+    # the rest runs every error path of the core over the sanitized extension.
+    tests_ = session.posargs or ["tests/test_vmm_cpu.py", "tests/test_copy.py", "tests/test_views.py",
+                                 "tests/test_core_pool.py", "tests/test_core_ledger_state.py",
+                                 "tests/test_core_backend_faults.py", "tests/test_budget_record.py",
+                                 "tests/test_tenant_isolation.py"]
     _run(session, python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests_, env=env)
 
 
-BENCHMARKS = ("cpu_map", "rank_rpcs", "pool_ops", "scheduler", "elasticity", "serving")
+BENCHMARKS = ("cpu_map", "rank_rpcs", "pool_ops", "scheduler", "scheduler_loop", "elasticity", "serving")
 
 
 @nox.session(venv_backend="none")
