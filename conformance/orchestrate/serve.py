@@ -55,6 +55,7 @@ class ServerSpec:
     tensor_parallel: int = 1
     extra_env: tuple[tuple[str, str], ...] = ()
     extra_args: tuple[str, ...] = ()  # appended to the server's command line
+    log_stats: bool = False  # vLLM's stat loggers (and /metrics' engine counters) on
 
 
 def with_tokenizer(model_dir: Path, out_dir: Path) -> Path:
@@ -177,7 +178,8 @@ def start_server(spec: ServerSpec, model_dir: Path, log_dir: Path, *, max_model_
            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--block-size", "16", "--enable-prefix-caching", "--enforce-eager",
            "--seed", "0", "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_bytes),
-           "--tensor-parallel-size", str(spec.tensor_parallel), "--disable-log-stats", *spec.extra_args]
+           "--tensor-parallel-size", str(spec.tensor_parallel), *([] if spec.log_stats else ["--disable-log-stats"]),
+           *spec.extra_args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_server_env(spec),
                                 start_new_session=True)

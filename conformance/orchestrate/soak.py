@@ -1,0 +1,258 @@
+"""The churn soak: `vllm serve` with kvcached under random traffic for a bounded time (#14).
+
+Traffic goes to a loopback server only, bounded in time (``duration_s``) and in clients:
+``clients`` threads each send, one after another, requests drawn from a seeded generator:
+prompts of random length that share a random-length prefix of one root (prefix reuse), a
+random number of output tokens, and one in ``1 / abort_every`` closed by the client after a
+short random wait (vLLM aborts it mid-run). The KV cache (``kv_bytes``) holds fewer tokens
+than the clients ask for at once, so vLLM preempts.
+
+Phases: warm-up (a fifth of the time), idle (traffic paused, the prefix cache reset through
+vLLM's dev endpoint, the engine quiet): the *baseline*; then the rest of the traffic and the
+same idle point again: the *end*. Every second a sampler reads the server's process tree
+(RSS, open descriptors, kvcached's memfds) and kvcached's mapped bytes (the engine's charge
+in its budget record). The soak holds when, at the end against the baseline: RSS within 5%,
+and mapped bytes, descriptors and memfds equal. Every request that completed is then sent
+to a native server, with the logprob margins of its greedy tokens: a kvcached token that
+differs must sit at a native near-tie (margin below `sharing.TIE`), as concurrency changes
+batch shapes and CPU kernels round by batch shape.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from conformance.cases import ARCHETYPES
+from conformance.models import FIRST_FREE_TOKEN, VOCAB_SIZE, ensure_model
+from conformance.orchestrate.serve import Server, ServerError, ServerSpec, serving, with_tokenizer
+from conformance.orchestrate.sharing import TIE, differences, settled_descriptors
+
+RSS_TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class SoakPlan:
+    duration_s: float = 600.0
+    clients: int = 8
+    seed: int = 0
+    abort_every: int = 5
+    kv_bytes: int = 1 << 20  # 64 blocks of the tiny llama (1 KiB a token): fewer than 8 clients ask for
+    max_model_len: int = 512
+    page_size: int = 64 << 10
+
+
+@dataclass(frozen=True)
+class Request:
+    index: int
+    prompt: list[int]
+    max_tokens: int
+    abort_after_s: float | None  # None: runs to the end
+
+
+@dataclass
+class Sample:
+    t: float
+    rss: int
+    fds: int
+    memfds: int
+    mapped: int
+
+
+@dataclass
+class SoakResult:
+    plan: SoakPlan
+    samples: list[Sample] = field(default_factory=list)
+    baseline: Sample | None = None
+    end: Sample | None = None
+    warmup_end_s: float = 0.0
+    traffic_end_s: float = 0.0
+    sent: int = 0
+    aborted: int = 0
+    completed: list[tuple[Request, list[int]]] = field(default_factory=list)
+    preemptions: int = 0
+    mismatches: list[int] = field(default_factory=list)  # completed-request positions
+    mismatch_margins: list[float] = field(default_factory=list)
+
+    @property
+    def unexplained(self) -> list[int]:
+        return [i for i, m in zip(self.mismatches, self.mismatch_margins, strict=True) if not 0 <= m < TIE]
+
+    def checks(self) -> dict[str, bool]:
+        b, e = self.baseline, self.end
+        assert b is not None and e is not None
+        return {
+            "rss within 5% of the baseline": abs(e.rss - b.rss) <= RSS_TOLERANCE * b.rss,
+            "mapped bytes back to the baseline": e.mapped == b.mapped,
+            "descriptors back to the baseline": e.fds == b.fds,
+            "memfds back to the baseline": e.memfds == b.memfds,
+            "requests aborted by their clients": self.aborted > 0,
+            "vLLM preempted": self.preemptions > 0,
+            "no token difference beyond a native near-tie": not self.unexplained,
+        }
+
+
+# ---- traffic ------------------------------------------------------------------------------------
+class Traffic:
+    """The seeded request stream, handed out in order to the client threads."""
+
+    def __init__(self, plan: SoakPlan) -> None:
+        self.plan = plan
+        self._rng = random.Random(plan.seed)
+        self._root = [self._rng.randrange(FIRST_FREE_TOKEN, VOCAB_SIZE) for _ in range(256)]
+        self._lock = threading.Lock()
+        self._next = 0
+
+    def take(self) -> Request:
+        with self._lock:
+            r, i = self._rng, self._next
+            self._next += 1
+            prefix = self._root[: r.randrange(0, 160)]
+            tail = [r.randrange(FIRST_FREE_TOKEN, VOCAB_SIZE) for _ in range(r.randrange(1, 64))]
+            abort = r.uniform(0.05, 0.6) if r.randrange(self.plan.abort_every) == 0 else None
+            return Request(i, prefix + tail, r.randrange(8, 96), abort)
+
+
+def _client(server: Server, traffic: Traffic, until: float, result: SoakResult, lock: threading.Lock) -> None:
+    while time.monotonic() < until:
+        req = traffic.take()
+        try:
+            tokens = server.complete(req.prompt, req.max_tokens, timeout_s=req.abort_after_s or 300.0)
+        except (ServerError, OSError):  # a timeout closes the connection: vLLM aborts the request
+            tokens = None
+        with lock:
+            result.sent += 1
+            if req.abort_after_s is not None and tokens is None:
+                result.aborted += 1
+            elif tokens is None:
+                raise ServerError(f"request {req.index} failed without being aborted")
+            else:
+                result.completed.append((req, tokens))
+
+
+def _traffic(server: Server, traffic: Traffic, seconds: float, result: SoakResult) -> None:
+    until, lock = time.monotonic() + seconds, threading.Lock()
+    with ThreadPoolExecutor(max_workers=traffic.plan.clients) as pool:
+        for f in [pool.submit(_client, server, traffic, until, result, lock) for _ in range(traffic.plan.clients)]:
+            f.result()
+
+
+# ---- observing ----------------------------------------------------------------------------------
+def _rss(server: Server) -> int:
+    import psutil
+
+    root = psutil.Process(server.proc.pid)
+    total = 0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            total += proc.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _mapped(record: Path) -> int:
+    from kvcached.budget import BudgetRecord
+
+    with BudgetRecord(str(record), create=False) as rec:
+        snap = rec.snapshot()
+        return sum(snap.charge_of(e) for e in snap.engines)
+
+
+def _sample(server: Server, record: Path, t0: float, settled: bool = False) -> Sample:
+    fds, memfds = settled_descriptors(server) if settled else _descriptors(server)
+    return Sample(round(time.monotonic() - t0, 2), _rss(server), fds, memfds, _mapped(record))
+
+
+def _descriptors(server: Server) -> tuple[int, int]:
+    from conformance.orchestrate.sharing import open_descriptors
+
+    return open_descriptors(server)
+
+
+class Sampler(threading.Thread):
+    def __init__(self, server: Server, record: Path, t0: float, out: list[Sample]) -> None:
+        super().__init__(daemon=True, name="soak-sampler")
+        self.server, self.record, self.t0, self.out = server, record, t0, out
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.wait(1.0):
+            self.out.append(_sample(self.server, self.record, self.t0))
+
+
+def _idle(server: Server, record: Path, t0: float) -> Sample:
+    """Reset the prefix cache (vLLM's dev endpoint) and read the quiet engine."""
+    req = urllib.request.Request(server.url + "/reset_prefix_cache", b"", method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        if r.status != 200:
+            raise ServerError(f"reset_prefix_cache answered {r.status}")
+    time.sleep(1.0)  # the next step unmaps what the fence allows, then the engine idles
+    return _sample(server, record, t0, settled=True)
+
+
+def _preemptions(server: Server) -> int:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return int(sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("vllm:num_preemptions_total")))
+
+
+# ---- the run ------------------------------------------------------------------------------------
+def _model(work: Path) -> Path:
+    return with_tokenizer(ensure_model(ARCHETYPES["llama"].model), work / "model")
+
+
+def kvcached_side(plan: SoakPlan, work: Path, result: SoakResult) -> None:
+    record = work / "budget" / "host.budget"
+    record.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    env = (("KVCACHED_PAGE_SIZE", str(plan.page_size)), ("KVCACHED_BUDGET_DIR", str(record.parent)),
+           ("VLLM_SERVER_DEV_MODE", "1"))
+    spec = ServerSpec("soak-kvcached", True, extra_env=env, log_stats=True)
+    traffic = Traffic(plan)
+    with serving(spec, _model(work), work / "logs", max_model_len=plan.max_model_len,
+                 kv_cache_bytes=plan.kv_bytes) as server:
+        t0 = time.monotonic()
+        sampler = Sampler(server, record, t0, result.samples)
+        sampler.start()
+        try:
+            _traffic(server, traffic, plan.duration_s / 5, result)
+            result.warmup_end_s = round(time.monotonic() - t0, 2)
+            result.baseline = _idle(server, record, t0)
+            _traffic(server, traffic, plan.duration_s * 4 / 5, result)
+            result.traffic_end_s = round(time.monotonic() - t0, 2)
+            result.end = _idle(server, record, t0)
+            result.preemptions = _preemptions(server)
+        finally:
+            sampler.halt.set()
+            sampler.join()
+
+
+def native_side(plan: SoakPlan, work: Path, result: SoakResult) -> None:
+    """The completed requests on a native server, with the margins of its greedy tokens."""
+    spec = ServerSpec("soak-native", False)
+    with serving(spec, _model(work), work / "logs", max_model_len=plan.max_model_len,
+                 kv_cache_bytes=plan.kv_bytes) as server, ThreadPoolExecutor(max_workers=plan.clients) as pool:
+        ref = list(pool.map(lambda c: server.complete_with_margins(c[0].prompt, c[0].max_tokens, 300.0),
+                            result.completed))
+    result.mismatches, result.mismatch_margins = differences([t for _, t in result.completed], ref)
+
+
+def run(plan: SoakPlan, work: Path) -> SoakResult:
+    result = SoakResult(plan)
+    kvcached_side(plan, work, result)
+    native_side(plan, work, result)
+    return result
+
+
+def to_json(result: SoakResult) -> dict:
+    out = asdict(result)
+    out["completed"] = len(result.completed)
+    out["unexplained"] = result.unexplained
+    out["checks"] = result.checks()
+    return out

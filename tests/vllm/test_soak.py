@@ -1,0 +1,34 @@
+"""The churn soak's CI variant: two minutes of random traffic through `vllm serve` with
+kvcached (`conformance.orchestrate.soak`; `nox -s soak` runs ten). Every check must hold; the
+negative controls show each comparison can fail."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from conformance.orchestrate.soak import Sample, SoakPlan, SoakResult, run
+
+
+@pytest.mark.multiprocess  # two real servers, one after the other; every wait is bounded
+def test_two_minutes_of_churn_leave_nothing_behind(tmp_path: Path) -> None:
+    result = run(SoakPlan(duration_s=120.0), tmp_path)
+    checks = result.checks()
+    assert all(checks.values()), (checks, result.baseline, result.end, result.unexplained)
+    assert len(result.completed) > 100 and result.samples
+
+
+def test_the_checks_see_a_leak_and_a_mismatch() -> None:
+    base = Sample(t=1.0, rss=1000 << 20, fds=100, memfds=2, mapped=10 << 16)
+    result = SoakResult(SoakPlan(), baseline=base, end=base, aborted=1, preemptions=1)
+    assert all(result.checks().values())
+    for changed, check in (({"rss": 1060 << 20}, "rss"), ({"mapped": 11 << 16}, "mapped"),
+                           ({"fds": 101}, "descriptors"), ({"memfds": 3}, "memfds")):
+        result.end = dataclasses.replace(base, **changed)
+        assert [name for name, ok in result.checks().items() if not ok] == [
+            next(n for n in result.checks() if n.startswith(check))]
+    result.end = base
+    result.mismatches, result.mismatch_margins = [0, 1], [1e-5, 0.5]  # one near-tie, one real
+    assert result.unexplained == [1] and not result.checks()["no token difference beyond a native near-tie"]
