@@ -31,7 +31,7 @@ from pathlib import Path
 from conformance.cases import ARCHETYPES
 from conformance.models import FIRST_FREE_TOKEN, VOCAB_SIZE, ensure_model
 from conformance.orchestrate.serve import Server, ServerError, ServerSpec, serving, with_tokenizer
-from conformance.orchestrate.sharing import TIE, differences, settled_descriptors
+from conformance.orchestrate.sharing import TIE, differences, open_descriptors, settled_descriptors
 
 RSS_TOLERANCE = 0.05
 
@@ -165,17 +165,13 @@ def _mapped(record: Path) -> int:
 
 
 def _sample(server: Server, record: Path, t0: float, settled: bool = False) -> Sample:
-    fds, memfds = settled_descriptors(server) if settled else _descriptors(server)
+    fds, memfds = settled_descriptors(server) if settled else open_descriptors(server)
     return Sample(round(time.monotonic() - t0, 2), _rss(server), fds, memfds, _mapped(record))
 
 
-def _descriptors(server: Server) -> tuple[int, int]:
-    from conformance.orchestrate.sharing import open_descriptors
-
-    return open_descriptors(server)
-
-
 class Sampler(threading.Thread):
+    """Reads the server once a second into ``out`` until ``halt`` is set."""
+
     def __init__(self, server: Server, record: Path, t0: float, out: list[Sample]) -> None:
         super().__init__(daemon=True, name="soak-sampler")
         self.server, self.record, self.t0, self.out = server, record, t0, out
