@@ -121,7 +121,10 @@ def test_a_signal_mid_run_leaves_nothing_behind(tmp_path: Path, sig: signal.Sign
     assert not any("kvcached" in name for name in kvc["shm_left"])  # type: ignore[union-attr]
     assert kvc["exit"] == native["exit"]
     after = str(kvc["after_signal"])
-    assert "/kvcached/" not in after and "kvcached" not in after.lower(), after[-2000:]
+    # No kvcached frame (its package folder) and no kvcached log line. vLLM's own output after
+    # SIGTERM (the in-flight requests' HTTP 500s, at times an EngineDeadError traceback whose
+    # paths run through the environment's folder) is native's too.
+    assert "/kvcached/" not in after and "kvcached:" not in after, after[-2000:]
 
     # The next start on the same record works, serves, and reclaimed the dead entries.
     server = start_server(ServerSpec("kvcached-again", True, extra_env=env), model, tmp_path / "logs")
