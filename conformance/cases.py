@@ -80,6 +80,13 @@ class FaultPlan:
         return sum(r.fail_next for r in self.rules)
 
     @property
+    def ends_in_engine_error(self) -> bool:
+        """A plan failing the worker's block copy (site ``copy``): that failure happens inside
+        ``execute_model``, which cannot fail one request, so the engine fails as native
+        vLLM does: the client gets the error, nothing hangs, memory is returned."""
+        return any(r.site == "copy" for r in self.rules)
+
+    @property
     def needs_partial_hits(self) -> bool:
         return any(r.after_trigger == "partial_prefix_hit" for r in self.rules)
 
@@ -107,12 +114,15 @@ CACHED_CAP = FaultPlan(
 )
 #: The fault sweep's sites (#14): where kvcached allocates, each failed at one of its first
 #: `SWEEP_OCCURRENCES` checks. ``map`` is every kv page the page pool maps (reserve refills
-#: and the pages of new blocks alike); ``rank1_map`` a map request on rank 1 only (TP=2).
+#: and the pages of new blocks alike); ``rank1_map`` a map request on rank 1 only (TP=2);
+#: ``copy`` a block-copy batch in the worker (every rank), whose allowed outcome is an
+#: engine error, not a scheduling miss (`FaultPlan.ends_in_engine_error`).
 SWEEP_SITES = {
     "admission": "the n-th physical admission check",
     "cow_admission": "the n-th copy-on-write admission after a real partial-prefix hit",
     "map": "the n-th kv page mapped (reserve refill or new blocks)",
     "rank1_map": "the n-th map request rank 1 receives (TP=2, that rank only)",
+    "copy": "the n-th block-copy batch of the worker (an engine error, as native gives)",
 }
 SWEEP_OCCURRENCES = 3
 
@@ -423,20 +433,36 @@ def quick_matrix() -> list[Case]:
 
 def sweep_matrix(quick: bool = False) -> list[Case]:
     """The fault sweep: every site failed at each of its first three checks, with the
-    synchronous and the asynchronous scheduler (the rank site at TP=2, synchronous). The
-    quick subset (CI) fails each site's first check, synchronously."""
-    llama, nem = ARCHETYPES["llama"], ARCHETYPES["nemotron_h"]
+    synchronous and the asynchronous scheduler, in-process and at TP=2.
+
+    At TP=2 the sites whose failure crosses the process boundary (``map``: the pages go to
+    every rank; ``copy``: every rank copies; ``rank1_map``) take all three checks; the
+    admission sites, which fail in the scheduler before any rank is asked for anything,
+    take their first check there (their other checks run in-process). The quick subset (CI)
+    fails each site's first check, synchronously, in one layout each.
+    """
     occurrences = (1,) if quick else tuple(range(1, SWEEP_OCCURRENCES + 1))
     scheds = (Scheduling.SYNC,) if quick else (Scheduling.SYNC, Scheduling.ASYNC)
     cases: list[Case] = []
     for k in occurrences:
         for s in scheds:
-            cases.append(Case(llama, s, pattern=PrefixPattern.SHARED_CONCURRENT, fault=sweep_plan("admission", k)))
-            cases.append(Case(llama, s, pattern=PrefixPattern.SHARED_CONCURRENT, fault=sweep_plan("map", k)))
-            cases.append(Case(nem, s, pattern=PrefixPattern.PARTIAL_COW, fault=sweep_plan("cow_admission", k)))
-        cases.append(Case(llama, Scheduling.SYNC, pattern=PrefixPattern.SHARED_CONCURRENT,
-                          fault=sweep_plan("rank1_map", k), layout=Layout.TP2))
+            cases += [_sweep_case(site, k, s, Layout.INPROC) for site in ("admission", "map", "cow_admission", "copy")]
+        if quick:
+            cases.append(_sweep_case("rank1_map", k, Scheduling.SYNC, Layout.TP2))
+            continue
+        tp2_sites = ("admission", "map", "cow_admission", "copy", "rank1_map") if k == 1 else ("map", "copy", "rank1_map")
+        cases += [_sweep_case(site, k, s, Layout.TP2) for s in scheds for site in tp2_sites]
     return cases
+
+
+def _sweep_case(site: str, k: int, scheduling: Scheduling, layout: Layout) -> Case:
+    """One sweep point: the dense model for the allocation sites, the hybrid one (whose
+    partial-prefix hits make copy-on-write admissions and block copies) for the others."""
+    if site in ("cow_admission", "copy"):
+        return Case(ARCHETYPES["nemotron_h"], scheduling, pattern=PrefixPattern.PARTIAL_COW,
+                    fault=sweep_plan(site, k), layout=layout)
+    return Case(ARCHETYPES["llama"], scheduling, pattern=PrefixPattern.SHARED_CONCURRENT,
+                fault=sweep_plan(site, k), layout=layout)
 
 
 def control_cases(archetypes: Iterable[str]) -> list[Case]:

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from conformance.geometry import Geometry
 
 #: Bumped whenever a field changes meaning, appears or disappears.
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 Side = Literal["reference", "candidate", "control"]
 EngineKind = Literal["native", "kvcached"]
@@ -243,6 +243,32 @@ class FaultRecord(_Strict):
     triggers: list[str] | None
 
 
+class EngineErrorRecord(_Strict):
+    """The engine error a client saw (cases whose plan fails inside ``execute_model``)."""
+
+    pass_no: int  # the pass whose ``generate`` raised (earlier passes' requests are recorded)
+    error_type: str
+    message: str
+
+
+class TeardownFacts(_Strict):
+    """What the engine left behind once it was shut down (read by the engine process).
+
+    ``record_live_slots``/``record_charged_bytes``: live slots of the case's own budget
+    record and their charges (None: the case used no record of its own);
+    ``registered_spaces``: kvcached KV spaces still registered in this process; ``memfds``:
+    this process's memfd descriptors before the engine started and after its shutdown;
+    ``live_children``: child processes of this process still alive (EngineCore, workers).
+    """
+
+    record_live_slots: int | None
+    record_charged_bytes: int | None
+    registered_spaces: int
+    memfds_before: int
+    memfds_after: int
+    live_children: list[str]
+
+
 class CaseResult(_Strict):
     schema_version: int = SCHEMA_VERSION
     case: dict[str, Any]
@@ -272,6 +298,8 @@ class CaseResult(_Strict):
     kv: KvSnapshotMeta | None = None
     t_kv_snapshot: float | None = None
     replay: dict[str, list[list[int]]] = Field(default_factory=dict)
+    engine_error: EngineErrorRecord | None = None  # the planned engine error (not a case error)
+    teardown: TeardownFacts | None = None  # set for cases whose plan ends in an engine error
     t_total: float | None = None  # set when the engine process finished the case
 
     @property

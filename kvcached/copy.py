@@ -35,6 +35,8 @@ from kvcached.views import (
 if TYPE_CHECKING:
     import torch
 
+    from kvcached.faults import FaultInjector
+
 __all__ = ["CopyStats", "copy_blocks", "copy_stats", "parse_copies", "reset_copy_stats"]
 
 
@@ -210,7 +212,9 @@ def _plan(kv_caches: Iterable[KVCacheEntry], num_blocks: int) -> list[tuple[_Bac
     return plan
 
 
-def copy_blocks(kv_caches: Iterable[KVCacheEntry], num_blocks: int, copies: Sequence[Any]) -> int:
+def copy_blocks(
+    kv_caches: Iterable[KVCacheEntry], num_blocks: int, copies: Sequence[Any], faults: FaultInjector | None = None
+) -> int:
     """Copy logical blocks ``src -> dst`` in every KV view of ``kv_caches``.
 
     ``kv_caches`` holds tensors or lists of tensors, each carrying metadata from
@@ -220,7 +224,9 @@ def copy_blocks(kv_caches: Iterable[KVCacheEntry], num_blocks: int, copies: Sequ
 
     Everything is validated first (ids in range, unique destinations, metadata on
     every view describing ``num_blocks`` blocks, consistent block strides per backing);
-    on any problem `CopyValidationError` is raised and nothing is written.
+    on any problem `CopyValidationError` is raised and nothing is written. ``faults`` (the
+    fault site ``copy``) may then fail a valid, non-empty batch on purpose, still before any
+    byte is written.
 
     Returns the number of (backing, run) copies performed (0 for an empty batch).
     """
@@ -231,6 +237,8 @@ def copy_blocks(kv_caches: Iterable[KVCacheEntry], num_blocks: int, copies: Sequ
     plan = _plan(entries, num_blocks)
     if not srcs or not plan:
         return 0
+    if faults is not None:
+        faults.check("copy")
 
     # One (2, n) src/dst index tensor per device, uploaded from pageable memory: a few
     # hundred bytes the driver stages at once, and no pinned staging block outlives the

@@ -18,7 +18,13 @@ A plan file is JSON::
 * ``site``: where it fires (``"map"``: each kv page mapped by the page pool;
   ``"admission"``/``"cow_admission"``: the scheduler pool's physical admission check;
   ``"rank<N>_map"``: each map request rank N receives from the scheduler, in that rank's
-  worker process (a refusal on one rank only); ``"*"``: any site).
+  worker process (a refusal on one rank only); ``"copy"``: each non-empty batch of block
+  copies a worker is asked for (vLLM's ``copy_kv_cache_blocks_inplace``), checked on every
+  rank after the batch is validated and before any byte is written; ``"*"``: any site).
+
+The copy site is the one failure kvcached cannot turn into a scheduling miss: it happens
+inside vLLM's ``execute_model``, which cannot fail a single request, so the engine fails
+exactly as native vLLM fails when its own copy raises.
 * ``after_trigger``: the rule stays disarmed until code calls ``trigger(name)`` with
   this name (`TRIGGERS`: ``"partial_prefix_hit"``, raised by a real partial-prefix hit).
 * ``skip``: once armed, let this many matching checks pass (so a failure lands in the
@@ -50,7 +56,7 @@ from typing import Any
 
 from kvcached.errors import ConfigError, InjectedFault
 
-SITES = frozenset({"map", "admission", "cow_admission", "*"})
+SITES = frozenset({"map", "admission", "cow_admission", "copy", "*"})
 TRIGGERS = frozenset({"partial_prefix_hit"})
 _RANK_SITE = re.compile(r"rank(0|[1-9][0-9]{0,3})_map")
 _KEYS = frozenset({"site", "fail_next", "skip", "after_trigger"})

@@ -73,4 +73,10 @@ def test_the_sweep_fails_every_site_at_each_of_its_first_three_checks() -> None:
     assert {c.scheduling for c in full if c.layout is C.Layout.INPROC} == {C.Scheduling.SYNC, C.Scheduling.ASYNC}
     assert {c.layout for c in full if c.fault.rules[0].site == "rank1_map"} == {C.Layout.TP2}
     assert {(r.site, r.skip) for c in quick for r in c.fault.rules} == {(site, 0) for site in C.SWEEP_SITES}
-    assert len({c.case_id for c in full}) == len(full) == 21
+    # At TP=2: the sites that cross the process boundary at every check, both schedulers.
+    tp2 = {(c.fault.rules[0].site, c.fault.rules[0].skip + 1, c.scheduling) for c in full if c.layout is C.Layout.TP2}
+    for site in ("map", "copy", "rank1_map"):
+        assert {(site, k, s) for k in (1, 2, 3) for s in C.Scheduling} <= tp2
+    assert {(site, 1, s) for site in ("admission", "cow_admission") for s in C.Scheduling} <= tp2
+    assert [c.fault.ends_in_engine_error for c in full].count(True) == 3 * 2 * 2
+    assert len({c.case_id for c in full}) == len(full) == 46

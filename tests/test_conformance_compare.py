@@ -291,3 +291,82 @@ def test_an_idle_pool_holds_the_null_page_and_the_reserve_only(tmp_path: Path, c
     oth.kvcached = KvcachedFacts(pools_start={}, pools_end={}, copies=copies, idle_reset_refused=True)
     row, _ = compare_results(NOPC, ref, oth, empty, empty, True)
     assert not row.passed and "reset_prefix_cache refused" in " ".join(row.problems)
+
+
+def _copy_fault_pair(layout: C.Layout = C.Layout.INPROC) -> tuple[C.Case, CaseResult, CaseResult]:
+    """A copy-site sweep point: the reference ran two passes; the candidate's client got the
+    engine error in pass 2, its fault fired once, and its engine left nothing behind."""
+    from conformance.results import EngineErrorRecord, TeardownFacts
+
+    case = C.Case(C.ARCHETYPES["nemotron_h"], C.Scheduling.SYNC, pattern=C.PrefixPattern.PARTIAL_COW,
+                  fault=C.sweep_plan("copy", 1), max_tokens=MT, layout=layout)
+    ref = _result([[1, 2, 3, 4], [5, 6, 7, 8]])
+    assert ref.requests is not None
+    ref.requests[1].pass_no = 2
+    oth = _result([[1, 2, 3, 4]], engine="kvcached")
+    oth.engine_error = EngineErrorRecord(pass_no=2, error_type="InjectedFault", message="injected failure at site 'copy'")
+    oth.fault = FaultRecord(fired={"copy": 1}, triggers=[])
+    oth.teardown = TeardownFacts(record_live_slots=0, record_charged_bytes=0, registered_spaces=0,
+                                 memfds_before=2, memfds_after=2, live_children=[])
+    return case, ref, oth
+
+
+@pytest.mark.parametrize(("change", "problem"), [
+    ({}, None),
+    ({"engine_error": None}, "every pass completed"),
+    ({"fault": FaultRecord(fired={"copy": 0}, triggers=[])}, "never fired"),
+    ({"fault": FaultRecord(fired={"copy": 2}, triggers=[])}, "planned at most 1x"),
+    ({"fault": None}, "no fired counts"),
+    ({"teardown": None}, "no teardown facts"),
+    ({"teardown.record_live_slots": 1, "teardown.record_charged_bytes": 4096}, "1 live budget slot(s) holding 4096"),
+    ({"teardown.record_live_slots": None}, "never written"),
+    ({"teardown.registered_spaces": 1}, "still registered"),
+    ({"teardown.memfds_after": 3}, "memfds leaked"),
+    ({"teardown.live_children": ["EngineCore_DP0 (pid 7)"]}, "survived shutdown"),
+    ({"tokens": [9, 9, 9, 9]}, "tokens before the engine error differ"),
+    ({"error": "RuntimeError: boom"}, "other error"),
+])
+def test_a_copy_fault_must_end_in_a_clean_engine_error(change: dict[str, Any], problem: str | None) -> None:
+    """The first row is the control: the planned engine error with native's tokens before it
+    and nothing left behind passes; every other row is one way it can go wrong."""
+    case, ref, oth = _copy_fault_pair()
+    for key, value in change.items():
+        if key == "tokens":
+            assert oth.requests is not None
+            oth.requests[0].token_ids = value
+        elif key.startswith("teardown."):
+            assert oth.teardown is not None
+            setattr(oth.teardown, key.split(".", 1)[1], value)
+        else:
+            setattr(oth, key, value)
+    row, _ = compare_results(case, ref, oth, None, None, True)
+    if problem is None:
+        assert row.passed and row.verdict == "engine error as planned", row.problems
+        assert row.engine_error == "pass 2: InjectedFault" and row.exact_matches == row.requests == 1
+    else:
+        assert not row.passed and problem in " | ".join(row.problems), row.problems
+
+
+def test_a_copy_fault_at_tp2_may_fire_once_per_rank() -> None:
+    case, ref, oth = _copy_fault_pair(C.Layout.TP2)
+    row, _ = compare_results(case, ref, oth, None, None, True)
+    assert "asked layout tp2, ran UniProcExecutor x1" in " | ".join(row.problems)
+    for res in (ref, oth):
+        res.scheduler = res.scheduler.model_copy(update={"executor": "MultiprocExecutor", "world_size": 2})  # type: ignore[union-attr]
+    oth.fault = FaultRecord(fired={"copy": 2}, triggers=[])
+    row, _ = compare_results(case, ref, oth, None, None, True)
+    assert row.passed, row.problems
+    oth.fault = FaultRecord(fired={"copy": 3}, triggers=[])
+    row, _ = compare_results(case, ref, oth, None, None, True)
+    assert "planned at most 2x" in " | ".join(row.problems)
+
+
+def test_a_copy_fault_in_the_first_pass_has_no_tokens_to_compare() -> None:
+    case, ref, oth = _copy_fault_pair()
+    assert oth.engine_error is not None and oth.requests is not None
+    oth.engine_error.pass_no, oth.requests = 1, []
+    row, _ = compare_results(case, ref, oth, None, None, True)
+    assert row.passed and "no request had finished" in " ".join(row.explanations), row.problems
+    oth.requests = _result([[1, 2, 3, 4]]).requests  # a request recorded in the failing pass is not native's
+    row, _ = compare_results(case, ref, oth, None, None, True)
+    assert not row.passed and "request lists differ" in " | ".join(row.problems)

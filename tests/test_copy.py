@@ -546,3 +546,27 @@ def test_copy_over_virtual_range_maps_only_touched_blocks(name: str) -> None:
         for blk in touched:
             assert torch.equal(b[blk], o[result[src_of.get(blk, blk)]]), (name, blk)
     vr.unmap(vr.mapped_pages())
+
+
+def test_copy_fault_site_fails_after_validation_before_any_write(layout: Layout) -> None:
+    """Fault site ``copy``: a valid batch fails on purpose with every backing untouched; an
+    invalid one is still a `CopyValidationError` (validation comes first, and does not count as
+    a check); an empty batch is no check; after the planned failure the same batch copies."""
+    from kvcached.errors import InjectedFault
+    from kvcached.faults import FaultInjector
+
+    faults = FaultInjector.from_plans([{"site": "copy", "skip": 1, "fail_next": 1}])
+    before = _snapshot(layout)
+    with pytest.raises(CopyValidationError):
+        copy_blocks(layout.kv_caches, layout.num_blocks, [(0, layout.num_blocks)], faults=faults)
+    assert copy_blocks(layout.kv_caches, layout.num_blocks, [], faults=faults) == 0
+    assert copy_blocks(layout.kv_caches, layout.num_blocks, [(2, 2)], faults=faults) == layout.runs_per_batch
+    before = _snapshot(layout)
+    with pytest.raises(InjectedFault, match="site 'copy'"):
+        copy_blocks(layout.kv_caches, layout.num_blocks, BATCH, faults=faults)
+    _assert_unchanged(layout, before)
+    assert faults.fired("copy") == 1
+    expected = reference_copy(layout, BATCH)
+    copy_blocks(layout.kv_caches, layout.num_blocks, BATCH, faults=faults)  # the plan is spent
+    for b, want in zip(layout.backings, expected):
+        assert torch.equal(b, want)

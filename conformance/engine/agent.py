@@ -194,6 +194,12 @@ class WorkerAgent:
 
         kvsnap.corrupt_blocks(self, [(int(b), str(layer)) for b, layer in pairs])
 
+    def conformance_emulate_copy_fault(self, plan_path: str) -> None:
+        """Native candidates: fail this rank's block copies as the plan says (site ``copy``)."""
+        from conformance.engine.emulated_faults import install_copy_fault
+
+        install_copy_fault(plan_path, int(self.rank))  # type: ignore[attr-defined]
+
     def conformance_copy_stats(self) -> dict[str, int]:
         import kvcached
 

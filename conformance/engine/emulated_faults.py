@@ -24,6 +24,9 @@ Sites:
   a hit are refused.
 * ``map``: every allocation is one map check (``skip`` pass, then ``fail_next`` fail).
 * ``admission``: every allocation for a waiting or preempted request.
+* ``copy`` (worker side, `install_copy_fault`): each non-empty block-copy batch, on every
+  rank, fails before native's ``copy_kv_cache_blocks_inplace`` runs, raising the same
+  `kvcached.errors.InjectedFault` kvcached's copy raises: the engine error native vLLM gives.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcached.faults import RuleState, read_plan, write_fired
+from kvcached.faults import FaultInjector, RuleState, read_plan, write_fired
 
 
 @dataclass
@@ -85,3 +88,38 @@ def install_emulated_seam(sched: Any, plan_path: Path) -> EmulatedSeam:
 
     kvm.allocate_slots = allocate_slots
     return seam
+
+
+# ---- the worker's block copy (site ``copy``) ------------------------------------------------
+_copy_original: Any = None
+
+
+def install_copy_fault(plan_path: str, rank: int) -> None:
+    """Wrap this worker process's ``copy_kv_cache_blocks_inplace`` (the name the V1 runner
+    calls) with the plan's ``copy`` checks; `uninstall_copy_fault` restores it."""
+    global _copy_original
+    from vllm.v1.worker import gpu_model_runner
+
+    injector = FaultInjector.from_env(plan_path, rank=rank)
+    assert injector is not None
+    uninstall_copy_fault()
+    original = gpu_model_runner.copy_kv_cache_blocks_inplace
+
+    def copy_kv_cache_blocks_inplace(kv_caches: Any, num_blocks: int, copies: Any) -> None:
+        if copies:
+            injector.check("copy")
+        original(kv_caches, num_blocks, copies)
+
+    _copy_original = original
+    gpu_model_runner.copy_kv_cache_blocks_inplace = copy_kv_cache_blocks_inplace
+
+
+def uninstall_copy_fault() -> None:
+    """Put native's copy back (a no-op when nothing is installed in this process)."""
+    global _copy_original
+    if _copy_original is None:
+        return
+    from vllm.v1.worker import gpu_model_runner
+
+    gpu_model_runner.copy_kv_cache_blocks_inplace = _copy_original
+    _copy_original = None

@@ -33,13 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from conformance.cases import Case, Control, Scheduling
-from conformance.engine import agent, overrides
+from conformance.engine import agent, emulated_faults, overrides, teardown_check
 from conformance.engine.handle import EngineHandle, kvcached_requested
 from conformance.geometry import Geometry, prompt_lengths
 from conformance.results import (
     Budget,
     CaseResult,
     CopyFacts,
+    EngineErrorRecord,
     FaultRecord,
     Job,
     JobEntry,
@@ -51,7 +52,7 @@ from conformance.results import (
     write_atomic,
 )
 from conformance.workload import Prompt, Workload, build_workload, stable_seed
-from kvcached.faults import read_fired, read_triggers, write_plan
+from kvcached.faults import read_fired, read_plan, read_triggers, write_plan
 
 DEFAULT_MAX_MODEL_LEN = 2048
 
@@ -64,6 +65,7 @@ class _Knobs:
     page_size: int | None
     fault_seam: str | None = None  # "kvcached" | "harness-emulated" | None
     plan_path: Path | None = None
+    record_path: Path | None = None  # a budget record of the case's own (checked after teardown)
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -174,9 +176,15 @@ class CaseRunner:
                     # The global limit of a record of the case's own: the host's shared
                     # record must not take one engine's limit (nor refuse the next one's).
                     kn.env["KVCACHED_BUDGET_BYTES"] = str(plan.budget.kvcached_budget_bytes)
-                    kn.env["KVCACHED_BUDGET_PATH"] = str(self.job.out_dir / f"{case.case_id}.budget")
+                    kn.record_path = self.job.out_dir / f"{case.case_id}.budget"
                 else:
                     kn.kv_bytes = plan.budget.native_kv_cache_bytes
+            if case.fault.ends_in_engine_error and kvcached:
+                # A record of the case's own, so that after the engine error "every slot was
+                # given back" is a fact about this engine alone.
+                kn.record_path = self.job.out_dir / f"{case.case_id}.budget"
+            if kn.record_path is not None:
+                kn.env["KVCACHED_BUDGET_PATH"] = str(kn.record_path)
         if kvcached:
             if kn.page_size is None:
                 raise RuntimeError("a kvcached engine needs the page size planned by the reference")
@@ -209,6 +217,7 @@ class CaseRunner:
         t0 = time.monotonic()
         handle: EngineHandle | None = None
         knobs: _Knobs | None = None
+        memfds_before = teardown_check.kvcached_memfds()
         try:
             model_dir = self._model(case, res)
             res.plan = entry.plan or self._plan(case, model_dir)
@@ -230,6 +239,9 @@ class CaseRunner:
             self._teardown(handle, res)
             del handle
             gc.collect()
+            emulated_faults.uninstall_copy_fault()
+            if case.fault.ends_in_engine_error:
+                res.teardown = teardown_check.facts(knobs.record_path if knobs else None, memfds_before)
             res.t_total = round(time.monotonic() - t0, 3)
             write_atomic(out_json, res)
         return res.error
@@ -274,7 +286,11 @@ class CaseRunner:
         workload = self._workload(entry, case, res.plan, geo)
         res.workload = _workload_record(workload)
         self._instrument(handle, knobs, geo)
-        res.requests, res.t_passes, res.corrupted_blocks = self._run_passes(handle, case, workload)
+        res.requests, res.t_passes, res.corrupted_blocks, res.engine_error = self._run_passes(handle, case, workload)
+        if res.engine_error is not None:
+            # The engine failed as planned (or is broken): only the fault counts are read.
+            self._record_faults(knobs, res, case.layout.tensor_parallel)
+            return
         # Taken now: the reference's replays below are outside the recorded schedule.
         res.metrics, res.probe = handle.metrics(), handle.probe_record()
         self._record_memory(handle, res, geo, pools_start, copies_start)
@@ -301,6 +317,8 @@ class CaseRunner:
         if knobs.fault_seam == "harness-emulated" and knobs.plan_path is not None:
             handle.install_emulated_seam(str(knobs.plan_path))
             self._seam = handle
+            if any(r.site == "copy" for r in read_plan(knobs.plan_path)):
+                handle.rank_call("conformance_emulate_copy_fault", str(knobs.plan_path))
 
     def _record_memory(
         self, handle: EngineHandle, res: CaseResult, geo: Geometry, pools_start: dict[str, Any], copies_start: Any
@@ -322,7 +340,7 @@ class CaseRunner:
         """What fired: the scheduler's process's counts plus every rank's (rank sites)."""
         if knobs.plan_path is None:
             return
-        if self._seam is not None:
+        if self._seam is not None and res.engine_error is None:
             self._seam.flush_emulated_seam()
         files = [read_fired(knobs.plan_path)] + [read_fired(knobs.plan_path, rank=r) for r in range(ranks)]
         fired: dict[str, int] | None = None
@@ -379,21 +397,30 @@ class CaseRunner:
 
     def _run_passes(
         self, handle: EngineHandle, case: Case, workload: Workload
-    ) -> tuple[list[RequestRecord], list[float], list[int]]:
+    ) -> tuple[list[RequestRecord], list[float], list[int], EngineErrorRecord | None]:
+        """Every pass, in order. A candidate whose plan ends in an engine error records the
+        error its client saw and stops; any other error is the case's error."""
         sp = self._sampling(case, case.top_logprobs)
         rows: list[RequestRecord] = []
         times: list[float] = []
         corrupted: list[int] = []
+        expect_error = self.job.side == "candidate" and case.fault.ends_in_engine_error
         for pi, prompts in enumerate(workload.passes):
             if pi == 1 and self.job.side == "control" and case.control is Control.NEG_KV:
                 corrupted = handle.corrupt_prefix_blocks(workload.corrupt_prefix_tokens)
                 if not corrupted:
                     raise RuntimeError("negative KV control: no cached block to corrupt")
             t = time.monotonic()
-            outs = self._generate(handle, prompts, sp)
+            try:
+                outs = self._generate(handle, prompts, sp)
+            except Exception as e:
+                if not expect_error:
+                    raise
+                return rows, times, corrupted, EngineErrorRecord(
+                    pass_no=pi + 1, error_type=type(e).__name__, message=str(e)[:500])
             times.append(round(time.monotonic() - t, 3))
             rows.extend(_request_record(p, o, pi + 1) for p, o in zip(prompts, outs, strict=True))
-        return rows, times, corrupted
+        return rows, times, corrupted, None
 
 
 def _request_record(prompt: Prompt, out: Any, pass_no: int) -> RequestRecord:

@@ -17,6 +17,10 @@ The comparison is a pipeline of small named stages, each testable alone:
 
 Rules (``ParityRow.passed``): every request of both engines completes and no engine
 reported an error; token IDs are identical for every request whatever the schedule was.
+
+A plan that fails the worker's block copy (`conformance.cases.FaultPlan.ends_in_engine_error`)
+is judged by `engine_error_verdict` instead: the client must get the error, the passes before
+it must match native's tokens, and the engine must leave nothing behind.
 """
 
 from __future__ import annotations
@@ -591,8 +595,83 @@ def _ran(res: CaseResult) -> bool:
     return res.error is None and res.requests is not None and res.probe is not None and res.metrics is not None
 
 
+# ---- plans that end in an engine error ------------------------------------------------------------
+def _fired_as_planned(case: Case, other: CaseResult) -> tuple[str, Findings]:
+    """Every rank checks the ``copy`` site, so a TP engine may fire once per rank (the ranks
+    that reached the copy before the engine stopped them): 1 to ranks x planned."""
+    found = Findings()
+    fired = other.fault.fired if other.fault else None
+    if fired is None:
+        found.problems.append("fault plan: the seam wrote no fired counts (plan never loaded?)")
+        return "no fired file", found
+    total, most = sum(fired.values()), case.fault.expected_fired * case.layout.tensor_parallel
+    if total == 0:
+        found.problems.append("fault plan never fired")
+    elif total > most:
+        found.problems.append(f"fault plan fired {total}x, planned at most {most}x")
+    return str(total), found
+
+
+def _teardown_checks(other: CaseResult) -> Findings:
+    """After the engine error and the shutdown, nothing of the engine is left."""
+    found, t = Findings(), other.teardown
+    if t is None:
+        found.problems.append("no teardown facts recorded")
+        return found
+    if other.engine == "kvcached":
+        if t.record_live_slots is None:
+            found.problems.append("the case's budget record was never written (kvcached not running?)")
+        elif t.record_live_slots or t.record_charged_bytes:
+            found.problems.append(f"memory not returned: {t.record_live_slots} live budget slot(s) holding "
+                                  f"{t.record_charged_bytes} bytes after shutdown")
+    if t.registered_spaces:
+        found.problems.append(f"{t.registered_spaces} kvcached KV space(s) still registered after shutdown")
+    if t.memfds_after > t.memfds_before:
+        found.problems.append(f"memfds leaked: {t.memfds_before} before the engine, {t.memfds_after} after shutdown")
+    if t.live_children:
+        found.problems.append(f"engine processes survived shutdown: {', '.join(t.live_children)}")
+    return found
+
+
+def engine_error_verdict(pair: Pair) -> tuple[ParityRow, list[RequestParity]]:
+    """The client got the planned error, the passes before it gave native's tokens, the fault
+    fired as planned, and the engine returned everything (`_teardown_checks`)."""
+    case, ref, other = pair.case, pair.ref, pair.other
+    row, found = _new_row(pair), Findings()
+    for side, res in (("reference", ref), ("other", other)):
+        if res.error:
+            found.problems.append(f"{side} error: {res.error}")
+    err, requests = other.engine_error, []
+    if err is None:
+        found.problems.append("the plan should end in an engine error, but every pass completed")
+    elif ref.requests is not None and not found.problems:
+        row.engine_error = f"pass {err.pass_no}: {err.error_type}"
+        before = ref.model_copy(update={"requests": [r for r in ref.requests if r.pass_no < err.pass_no]})
+        if before.requests or other.requests:
+            tokens = token_parity(case, before, other)
+            requests = tokens.requests
+            row.requests, row.exact_matches = len(before.requests or []), sum(p.exact for p in requests)
+            if not tokens.exact:
+                found.problems.append(f"tokens before the engine error differ on "
+                                      f"{row.requests - row.exact_matches} request(s)")
+            found.extend(tokens.findings)
+        else:
+            found.explanations.append("the engine error came in pass 1: no request had finished before it")
+    row.injected_failures_fired, f = _fired_as_planned(case, other)
+    found.extend(f)
+    found.extend(_teardown_checks(other))
+    found.extend(_scheduler_checks(case, pair))
+    found.extend(_layout_checks(case, pair))
+    row.passed = not found.problems
+    row.verdict = "engine error as planned" if row.passed else "error"
+    row.problems, row.explanations = found.problems, found.explanations
+    return row, requests
+
+
 def compare(pair: Pair) -> tuple[ParityRow, list[RequestParity]]:
     """Run every stage on one pair of results."""
+    if pair.case.fault.ends_in_engine_error and pair.case.control is Control.NONE:
+        return engine_error_verdict(pair)
     row, found = _new_row(pair), Findings()
     for side, res in (("reference", pair.ref), ("other", pair.other)):
         if res.error:

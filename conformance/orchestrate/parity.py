@@ -104,6 +104,7 @@ class ParityRow:
     schedule_divergence_step: int | None
     verdict: str
     passed: bool
+    engine_error: str = ""  # the planned engine error the other side's client saw ("pass 2: InjectedFault")
     problems: list[str] = field(default_factory=list)
     explanations: list[str] = field(default_factory=list)
     wall_s_reference: float = 0.0

@@ -188,6 +188,42 @@ def install_warmup_probe() -> list[dict[str, Any]]:
     return records
 
 
+def install_zeroing_probe() -> dict[str, Any]:
+    """Record every block vLLM zeroes as fresh (``new_block_ids_to_zero``) and read it back.
+
+    vLLM zeroes newly allocated full-attention blocks of engines with Mamba layers
+    (``KVCacheConfig.needs_kv_cache_zeroing``) through ``CPUModelRunner._zero_block_ids``.
+    The probe wraps it: per call it records the block IDs, counts the blocks that held
+    non-zero bytes before (stale data of an earlier request: the reader sees real bytes),
+    runs vLLM's zeroing, and counts the blocks that still read non-zero in any
+    full-attention layer after it (a block that does not read as vLLM expects).
+    """
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    record: dict[str, Any] = {"calls": [], "stale_before": 0, "nonzero_after": 0}
+    original = CPUModelRunner._zero_block_ids
+
+    def views(runner: Any) -> list[Any]:
+        ctx = runner.compilation_config.static_forward_context
+        return [ctx[name].kv_cache for g in runner.kv_cache_config.kv_cache_groups
+                if isinstance(g.kv_cache_spec, FullAttentionSpec) for name in g.layer_names
+                if name in ctx and isinstance(ctx[name].kv_cache, torch.Tensor)]
+
+    def nonzero(runner: Any, block_ids: list[int]) -> int:
+        return sum(any(bool(kv[b].count_nonzero()) for kv in views(runner)) for b in block_ids)
+
+    def _zero_block_ids(self: Any, block_ids: list[int]) -> None:
+        record["calls"].append(list(block_ids))
+        record["stale_before"] += nonzero(self, block_ids)
+        original(self, block_ids)
+        record["nonzero_after"] += nonzero(self, block_ids)
+
+    CPUModelRunner._zero_block_ids = _zero_block_ids  # type: ignore[method-assign]
+    return record
+
+
 def _kvcached_stats() -> dict[str, Any]:
     if os.environ.get("KVCACHED_ENABLE") != "1":
         return {}

@@ -62,6 +62,7 @@ from engine_child import (
     engine_core,
     engine_kwargs,
     install_warmup_probe,
+    install_zeroing_probe,
     kvcached_pool,
     pool_stats,
     run_side,
@@ -177,7 +178,7 @@ def _views_on_kvcached_ranges(llm: Any, ranges: list[Any]) -> bool:
     )
 
 
-def run_case(case: Case, with_kvcached: bool) -> dict[str, Any]:
+def run_case(case: Case, with_kvcached: bool, zeroing: dict[str, Any]) -> dict[str, Any]:
     """One engine, two passes; everything the parent compares, as plain data."""
     res: dict[str, Any] = {}
     if with_kvcached:
@@ -185,6 +186,7 @@ def run_case(case: Case, with_kvcached: bool) -> dict[str, Any]:
 
         os.environ["KVCACHED_PAGE_SIZE"] = str(case.page_size)  # read when the KV tensors are made
         copies_before = copy_stats().block_copies
+    zeroing.update(calls=[], stale_before=0, nonzero_after=0)
     llm = build_llm(engine_kwargs(case.model, **case.engine), want_async=case.want_async)
     pool = kvcached_pool(llm) if with_kvcached else None
     ranges = _worker_ranges() if with_kvcached else []
@@ -199,6 +201,7 @@ def run_case(case: Case, with_kvcached: bool) -> dict[str, Any]:
             res["tokens"].append(tokens)
             res["cached"].append(cached)
         res["copies_scheduled"] = sum(copies)
+        res["zeroing"] = {k: v.copy() if isinstance(v, list) else v for k, v in zeroing.items()}
         if pool is not None:
             res["stats_after_run"] = _only_pool_stats()
         res["reset"] = llm.reset_prefix_cache()  # both sides: drop cached blocks (memory back)
@@ -223,10 +226,11 @@ def child_main(job_path: str, out_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     with_kvcached = job["engine"] == "kvcached"
     warmups = install_warmup_probe()
+    zeroing = install_zeroing_probe()
     cases = {}
     for raw in job["cases"]:
         case = Case(**raw)
-        cases[case.id] = run_case(case, with_kvcached)
+        cases[case.id] = run_case(case, with_kvcached, zeroing)
     Path(out_path).write_text(json.dumps({"cases": cases, "warmups": warmups}))
 
 
@@ -277,6 +281,26 @@ def test_partial_prefix_block_copies(runs: dict[str, Any], case_id: str) -> None
     assert elastic["copies_performed"] == elastic["copies_scheduled"], "kvcached's copy helper missed copies"
     if CASES[CASE_IDS.index(case_id)].model in PARTIAL_HIT_MODELS:
         assert native["copies_scheduled"] > 0, "no partial-prefix hit: vLLM submitted no block copy"
+
+
+@pytest.mark.parametrize("case_id", CASE_IDS)
+def test_fresh_blocks_read_as_vllm_expects(runs: dict[str, Any], case_id: str) -> None:
+    """vLLM zeroes the new full-attention blocks of engines with Mamba layers itself: kvcached
+    must give it as many fresh blocks as native, step by step (which IDs differs by design:
+    kvcached's pool picks blocks page by page), and each must read all zeros after vLLM's
+    zeroing, as native's do. Native's blocks held stale bytes before the zeroing (the reader
+    sees real bytes: a block left unzeroed would be counted)."""
+    native, elastic = _sides(runs, case_id)
+    case = CASES[CASE_IDS.index(case_id)]
+    sizes = [[len(c) for c in side["zeroing"]["calls"]] for side in (native, elastic)]
+    assert sizes[1] == sizes[0], "kvcached zeroed another number of fresh blocks than native, step by step"
+    assert all(len(set(c)) == len(c) and 0 not in c for c in elastic["zeroing"]["calls"]), "a duplicate or the null block"
+    assert elastic["zeroing"]["nonzero_after"] == native["zeroing"]["nonzero_after"] == 0
+    if case.model in ("llama", "mamba2"):  # no attention group to zero (or no Mamba layer)
+        assert native["zeroing"]["calls"] == []
+    else:
+        assert native["zeroing"]["calls"], "the hybrid engine zeroed no fresh block"
+        assert native["zeroing"]["stale_before"] > 0, "no zeroed block held stale bytes: the check saw nothing"
 
 
 @pytest.mark.parametrize("case_id", CASE_IDS)

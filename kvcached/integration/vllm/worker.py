@@ -638,9 +638,18 @@ def _wrap_copy(original: Callable[..., None]) -> Callable[..., None]:
         if not _acting():
             original(kv_caches, num_blocks, kv_cache_block_copies)
             return
-        copy_blocks(kv_caches, num_blocks, kv_cache_block_copies)
+        copy_blocks(kv_caches, num_blocks, kv_cache_block_copies, faults=_copy_faults(kv_caches))
 
     return copy_kv_cache_blocks_inplace
+
+
+def _copy_faults(kv_caches: Any) -> FaultInjector | None:
+    """The fault injector of the rank whose KV tensors these are (fault site ``copy``)."""
+    for entry in kv_caches:
+        for tensor in entry if isinstance(entry, (list, tuple)) else (entry,):
+            kv = rank_kv_of(tensor)
+            return kv.pages.faults if kv is not None else None
+    return None
 
 
 # ---- (d) memory profiling -------------------------------------------------------------------
