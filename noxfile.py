@@ -157,9 +157,10 @@ def conformance(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def faults(session: nox.Session) -> None:
-    """The fault sweep (conformance ``--sweep``): each allocation site failed at each of its
-    first three checks, sync and async, in-process and at TP=2; tokens against native, the
-    fault fired, nothing leaked. Reports under reports/faults/."""
+    """The fault sweep (conformance ``--sweep``): each allocation site and the worker's block
+    copy failed at each of its first three checks, sync and async, in-process and at TP=2;
+    tokens against native (a copy failure: native's engine error), the fault fired, nothing
+    leaked. Reports under reports/faults/ (about 35 minutes; ``-- --quick``: about 4)."""
     python = _shared_env(session)
     _run(session, python, "-m", "conformance", "--sweep", "--reports-dir", "reports/faults", *session.posargs)
 
