@@ -258,7 +258,8 @@ class TeardownFacts(_Strict):
     record and their charges (None: the case used no record of its own);
     ``registered_spaces``: kvcached KV spaces still registered in this process; ``memfds``:
     this process's memfd descriptors before the engine started and after its shutdown;
-    ``live_children``: child processes of this process still alive (EngineCore, workers).
+    ``live_children``: descendants of this process still alive (EngineCore, workers);
+    ``settle_s``: how long after the shutdown they took to go (see ``engine/teardown_check.py``).
     """
 
     record_live_slots: int | None
@@ -267,6 +268,7 @@ class TeardownFacts(_Strict):
     memfds_before: int
     memfds_after: int
     live_children: list[str]
+    settle_s: float  # seconds after shutdown until no slot and no engine process was left (or the cap)
 
 
 class CaseResult(_Strict):

@@ -307,7 +307,7 @@ def _copy_fault_pair(layout: C.Layout = C.Layout.INPROC) -> tuple[C.Case, CaseRe
     oth.engine_error = EngineErrorRecord(pass_no=2, error_type="InjectedFault", message="injected failure at site 'copy'")
     oth.fault = FaultRecord(fired={"copy": 1}, triggers=[])
     oth.teardown = TeardownFacts(record_live_slots=0, record_charged_bytes=0, registered_spaces=0,
-                                 memfds_before=2, memfds_after=2, live_children=[])
+                                 memfds_before=2, memfds_after=2, live_children=[], settle_s=0.0)
     return case, ref, oth
 
 

@@ -630,6 +630,9 @@ def _teardown_checks(other: CaseResult) -> Findings:
         found.problems.append(f"memfds leaked: {t.memfds_before} before the engine, {t.memfds_after} after shutdown")
     if t.live_children:
         found.problems.append(f"engine processes survived shutdown: {', '.join(t.live_children)}")
+    elif t.settle_s >= 0.1:
+        found.explanations.append(f"the engine's processes and budget slots were gone {t.settle_s:.1f} s after "
+                                  "shutdown returned")
     return found
 
 
