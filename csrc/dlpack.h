@@ -1,5 +1,7 @@
-// The DLPack ABI (v0.x "dltensor" capsule protocol), declared here so the
-// build has no external header dependency. Layouts follow the DLPack spec.
+// The DLPack ABI, declared here so the build has no external header dependency.
+// Layouts follow the DLPack spec: the v0.x "dltensor" capsule (DLManagedTensor) and
+// the 1.0 "dltensor_versioned" capsule (DLManagedTensorVersioned, which carries a
+// version and flags; without the read-only flag a consumer such as numpy may write).
 #pragma once
 
 #include <cstdint>
@@ -42,16 +44,34 @@ struct DLManagedTensor {
   void (*deleter)(DLManagedTensor* self);
 };
 
+struct DLPackVersion {
+  std::uint32_t major;
+  std::uint32_t minor;
+};
+
+struct DLManagedTensorVersioned {
+  DLPackVersion version;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensorVersioned* self);
+  std::uint64_t flags;  // bit 0: read-only, bit 1: is a copy (kvcached sets neither)
+  DLTensor dl_tensor;
+};
+
 static_assert(sizeof(DLDevice) == 8, "DLDevice ABI");
 static_assert(sizeof(DLDataType) == 4, "DLDataType ABI");
 static_assert(sizeof(DLTensor) == 48, "DLTensor ABI");
 static_assert(sizeof(DLManagedTensor) == 64, "DLManagedTensor ABI");
+static_assert(sizeof(DLManagedTensorVersioned) == 80, "DLManagedTensorVersioned ABI");
 
 // Builds a 1-D uint8 tensor over [offset, offset + nbytes) of the range. The
 // returned tensor owns a shared_ptr to the range (through manager_ctx), so the
 // reservation lives until its deleter runs. Bounds are the caller's job.
 DLManagedTensor* export_bytes(const std::shared_ptr<RangeState>& range, std::size_t offset,
                               std::size_t nbytes);
+
+// The same view as a DLPack 1.0 tensor (version 1.0, writable, not a copy).
+DLManagedTensorVersioned* export_bytes_versioned(const std::shared_ptr<RangeState>& range,
+                                                 std::size_t offset, std::size_t nbytes);
 
 }  // namespace dl
 }  // namespace kvcached

@@ -18,6 +18,7 @@ using kvcached::VmmError;
 namespace {
 
 constexpr const char* kCapsuleName = "dltensor";
+constexpr const char* kVersionedCapsuleName = "dltensor_versioned";
 
 // The kvcached.errors classes, resolved once at import. Deliberately leaked:
 // decref'ing them from a static destructor after the interpreter is gone
@@ -63,26 +64,41 @@ void translate(std::exception_ptr p) {
   }
 }
 
-// Capsule destructor: a consumer that takes ownership renames the capsule to
-// "used_dltensor" and becomes responsible for calling the deleter; only an
-// unconsumed capsule still owns its tensor.
+// Capsule destructors: a consumer that takes ownership renames the capsule to
+// "used_dltensor" ("used_dltensor_versioned") and becomes responsible for calling the
+// deleter; only an unconsumed capsule still owns its tensor.
 void capsule_destructor(PyObject* capsule) {
   if (!PyCapsule_IsValid(capsule, kCapsuleName)) return;
   auto* t = static_cast<kvcached::dl::DLManagedTensor*>(PyCapsule_GetPointer(capsule, kCapsuleName));
   if (t != nullptr && t->deleter != nullptr) t->deleter(t);
 }
 
-py::object make_capsule(const std::shared_ptr<RangeState>& self, std::int64_t offset,
-                        std::int64_t nbytes) {
-  std::size_t n = self->view_length(offset, nbytes);
-  kvcached::dl::DLManagedTensor* t =
-      kvcached::dl::export_bytes(self, static_cast<std::size_t>(offset), n);
-  PyObject* capsule = PyCapsule_New(t, kCapsuleName, capsule_destructor);
+void versioned_capsule_destructor(PyObject* capsule) {
+  if (!PyCapsule_IsValid(capsule, kVersionedCapsuleName)) return;
+  auto* t = static_cast<kvcached::dl::DLManagedTensorVersioned*>(
+      PyCapsule_GetPointer(capsule, kVersionedCapsuleName));
+  if (t != nullptr && t->deleter != nullptr) t->deleter(t);
+}
+
+template <typename Managed>
+py::object wrap_capsule(Managed* t, const char* name, PyCapsule_Destructor destructor) {
+  PyObject* capsule = PyCapsule_New(t, name, destructor);
   if (capsule == nullptr) {
     t->deleter(t);
     throw py::error_already_set();
   }
   return py::reinterpret_steal<py::object>(capsule);
+}
+
+py::object make_capsule(const std::shared_ptr<RangeState>& self, std::int64_t offset, std::int64_t nbytes,
+                        bool versioned) {
+  std::size_t n = self->view_length(offset, nbytes);
+  auto off = static_cast<std::size_t>(offset);
+  if (versioned) {
+    return wrap_capsule(kvcached::dl::export_bytes_versioned(self, off, n), kVersionedCapsuleName,
+                        versioned_capsule_destructor);
+  }
+  return wrap_capsule(kvcached::dl::export_bytes(self, off, n), kCapsuleName, capsule_destructor);
 }
 
 std::string range_repr(RangeState& r) {
@@ -127,8 +143,9 @@ PYBIND11_MODULE(_vmm, m) {
            "Validate every page, then unmap them and give their memory back.")
       .def("is_mapped", &RangeState::is_mapped, py::arg("page"))
       .def("mapped_pages", &RangeState::mapped_pages)
-      .def("dlpack", &make_capsule, py::arg("offset") = 0, py::arg("nbytes") = -1,
-           "A 'dltensor' capsule: 1-D uint8 view of [offset, offset+nbytes); keeps the VA reserved.")
+      .def("dlpack", &make_capsule, py::arg("offset") = 0, py::arg("nbytes") = -1, py::arg("versioned") = false,
+           "A 'dltensor' capsule (versioned: a DLPack 1.0 'dltensor_versioned' one, writable): 1-D uint8 "
+           "view of [offset, offset+nbytes); keeps the VA reserved.")
       .def("close", &RangeState::close, release_gil(),
            "Unmap everything (idempotent). The VA is freed once the last view is gone.")
       .def("physical_available", &RangeState::physical_available, release_gil(),

@@ -1,4 +1,9 @@
-"""kvcached._vmm on the CPU backend: real mappings, real memory, no mocks."""
+"""kvcached._vmm on the CPU backend: real mappings, real memory, no mocks.
+
+Views go through numpy's DLPack (`kvcached.memory.array_view`), so this file runs on every
+Python the core supports (``nox -s core``); the tests of torch's view (`tensor_view`) skip
+where torch is not installed.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,8 @@ import sys
 import textwrap
 import threading
 
+import numpy as np
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +27,7 @@ from kvcached.errors import (
     InvariantError,
     PhysicalMemoryExhausted,
 )
-from kvcached.memory import default_device_string, tensor_view
+from kvcached.memory import array_view, default_device_string, tensor_view
 from kvcached.pages import PageSpace
 
 OS_PAGE = _vmm.os_page_size()
@@ -137,7 +142,42 @@ def test_context_manager_closes() -> None:
 # ---------------------------------------------------------------------------------------
 
 
+def test_round_trip_through_numpy_view() -> None:
+    r = _vmm.VirtualRange("cpu", 8 * PS, PS)
+    r.map([1, 3])
+    page1, page3 = array_view(r, PS, PS), array_view(r, 3 * PS, PS).view(np.int32)
+    page1.fill(0x5A)
+    page3[:] = np.arange(PS // 4, dtype=np.int32)
+    assert int(page1.sum()) == 0x5A * PS and page1.ctypes.data == r.address + PS
+    r.unmap([1])
+    r.map([1])  # a remapped page comes back zeroed: its memory was really released
+    assert int(array_view(r, PS, PS).sum()) == 0
+    assert int(page3[123]) == 123  # the other page is untouched
+    r.unmap([1, 3])
+
+
+def test_array_view_is_a_writable_dlpack_1_view_that_keeps_the_range() -> None:
+    r = _vmm.VirtualRange("cpu", 4 * OS_PAGE, OS_PAGE)
+    r.map([1])
+    cap = r.dlpack(OS_PAGE, 16, versioned=True)
+    assert "dltensor_versioned" in repr(cap) and r.live_views == 1
+    del cap  # never consumed: its own destructor frees it
+    assert r.live_views == 0
+    view = array_view(r, OS_PAGE + 8, 100)
+    assert view.dtype == np.uint8 and view.shape == (100,) and view.flags.writeable and r.live_views == 1
+    view[:] = 9
+    assert int(array_view(r, OS_PAGE, OS_PAGE)[8:108].sum()) == 900
+    del view
+    gc.collect()
+    assert r.live_views == 0
+    from kvcached.memory import _Exporter
+
+    with pytest.raises(BufferError, match="never a copy"):
+        np.from_dlpack(_Exporter(r, 0, 8), copy=True)
+
+
 def test_round_trip_through_torch_view() -> None:
+    torch = pytest.importorskip("torch")
     r = _vmm.VirtualRange("cpu", 8 * PS, PS)
     r.map([1, 3])
     assert r.mapped_pages() == [1, 3] and r.is_mapped(3) and not r.is_mapped(0)
@@ -213,7 +253,7 @@ def test_memory_is_returned_to_the_os() -> None:
     before = rss_shmem()
     r.map(range(n))
     assert r.committed_bytes() == 0  # sparse until touched
-    tensor_view(r).fill_(1)  # touches every 4 KiB
+    array_view(r).fill(1)  # touches every 4 KiB
     touched = rss_shmem()
     assert r.committed_bytes() == n * PS
     assert touched - before >= n * PS * 0.95
@@ -263,6 +303,7 @@ def test_map_is_all_or_nothing_when_the_os_refuses_mid_batch() -> None:
 
 
 def test_dlpack_capsule_into_torch() -> None:
+    torch = pytest.importorskip("torch")
     r = _vmm.VirtualRange("cpu", 4 * OS_PAGE, OS_PAGE)
     r.map([1, 2])
     cap = r.dlpack(OS_PAGE + 16, 100)
@@ -296,6 +337,7 @@ def test_dlpack_bounds(offset: int, nbytes: int) -> None:
 
 
 def test_tensor_view_dtype_checks() -> None:
+    torch = pytest.importorskip("torch")
     r = _vmm.VirtualRange("cpu", 2 * OS_PAGE, OS_PAGE)
     r.map([0, 1])
     assert tensor_view(r, 0, 64, torch.float32).shape == (16,)
@@ -310,7 +352,7 @@ def test_view_keeps_reservation_after_close_and_del() -> None:
     r = _vmm.VirtualRange("cpu", 4 * PS, PS)
     address, size = r.address, r.size
     r.map([0])
-    view = tensor_view(r)
+    view = array_view(r)
     r.close()  # pages are gone (the view now faults if read) but the VA stays reserved
     del r
     gc.collect()
@@ -323,8 +365,8 @@ def test_view_keeps_reservation_after_close_and_del() -> None:
 def test_view_keeps_data_when_range_object_dropped() -> None:
     r = _vmm.VirtualRange("cpu", 2 * PS, PS)
     r.map([0, 1])
-    view = tensor_view(r, PS, PS)
-    view.fill_(3)
+    view = array_view(r, PS, PS)
+    view.fill(3)
     address = r.address
     del r
     gc.collect()
@@ -355,17 +397,17 @@ def test_stray_access_to_unmapped_slot_is_sigsegv() -> None:
 def test_interpreter_exit_prints_nothing() -> None:
     res = run_python(
         """
-        import os, tempfile, torch
+        import os, tempfile
         from kvcached import _vmm
         from kvcached.budget import BudgetRecord
-        from kvcached.memory import tensor_view
+        from kvcached.memory import array_view
         from kvcached.pages import PageSpace
         record = BudgetRecord(os.path.join(tempfile.mkdtemp(), "b"), limit=64 << 20)
         slot = record.slot(rank=0, device="cpu")
         ranges = [_vmm.VirtualRange("cpu", 8 << 20, 2 << 20) for _ in range(3)]
         for r in ranges:
             PageSpace((r,), (1,), 4, slot).map_pages([0, 2])
-        views = [tensor_view(r) for r in ranges]
+        views = [array_view(r) for r in ranges]
         views[0][:10] = 1
         capsule = ranges[1].dlpack()          # never consumed
         ranges[2].close()                      # closed, but its view is alive
