@@ -11,17 +11,22 @@ import pytest
 from kvcached.errors import IntegrationError
 from kvcached.integration.vllm.capabilities import Capabilities, capabilities_for, detect, parse_series
 
-ROWS: dict[tuple[int, int], dict[str, object]] = {  # from the contract notes (0.27.0 == 0.27.1)
-    (0, 26): {"logical_block_copy": True, "raw_mamba_pages": False, "allocate_kv_cache": False},
-    (0, 27): {"logical_block_copy": True, "raw_mamba_pages": True, "allocate_kv_cache": False},
-    (0, 28): {"logical_block_copy": True, "raw_mamba_pages": True, "allocate_kv_cache": False},
-    (0, 29): {"logical_block_copy": True, "raw_mamba_pages": True, "allocate_kv_cache": True},
+_BASE = {"logical_block_copy": True, "raw_mamba_pages": True, "allocate_kv_cache": True,
+         "cpu_warmup_decision": False, "request_memory_external": False}
+ROWS: dict[tuple[int, int], dict[str, object]] = {  # from the contract notes and the compat report
+    (0, 26): {**_BASE, "raw_mamba_pages": False, "allocate_kv_cache": False},
+    (0, 27): {**_BASE, "allocate_kv_cache": False},  # 0.27.0 == 0.27.1
+    (0, 28): {**_BASE, "allocate_kv_cache": False},
+    (0, 29): _BASE,
+    (0, 30): {**_BASE, "cpu_warmup_decision": True},
+    (0, 31): {**_BASE, "cpu_warmup_decision": True},
+    (0, 32): {**_BASE, "cpu_warmup_decision": True, "request_memory_external": True},
 }
 
 
 @pytest.mark.parametrize("version, series", [
     ("0.26.0", (0, 26)), ("0.27.0", (0, 27)), ("0.27.1", (0, 27)), ("0.28.0", (0, 28)),
-    ("0.29.0", (0, 29)), ("0.28.0+cpu", (0, 28)), ("0.28.0+cu129", (0, 28)),
+    ("0.29.0", (0, 29)), ("0.30.0", (0, 30)), ("0.31.0", (0, 31)), ("0.32.0", (0, 32)), ("0.28.0+cpu", (0, 28)), ("0.28.0+cu129", (0, 28)),
     ("0.28.0.post1", (0, 28)), ("0.28.2", (0, 28)), ("0.28", (0, 28)), (" 0.26.0 ", (0, 26)),
 ])
 def test_supported_versions(version: str, series: tuple[int, int]) -> None:
@@ -31,9 +36,9 @@ def test_supported_versions(version: str, series: tuple[int, int]) -> None:
             if f.name not in ("version", "series")} == ROWS[series]
 
 
-@pytest.mark.parametrize("version", ["0.25.2", "0.23.0", "0.9.2", "0.30.0", "1.0.0", "0.30.0+cpu", "2"])
+@pytest.mark.parametrize("version", ["0.25.2", "0.23.0", "0.9.2", "0.33.0", "1.0.0", "0.33.0+cpu", "2"])
 def test_unsupported_versions_name_the_supported_range(version: str) -> None:
-    with pytest.raises(IntegrationError, match=r"supports vLLM 0\.26 to 0\.29"):
+    with pytest.raises(IntegrationError, match=r"supports vLLM 0\.26 to 0\.32\. .*nox -s compat -- "):
         capabilities_for(version)
 
 

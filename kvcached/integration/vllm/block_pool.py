@@ -76,6 +76,7 @@ import contextlib
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
@@ -492,6 +493,13 @@ class ElasticBlockPool(BlockPool):
         if released:
             self.ledger.release(released)
         self._enforce_cap()
+
+    def unpin_blocks(self, *args: Any, **kwargs: Any) -> None:
+        """Refused (vLLM 0.30+): it queues possibly unhashed blocks at the tail of the free
+        queue and registers reuse watchers, outside the states this pool keeps. Its only
+        caller is HiSparse, which vLLM runs on Model Runner V2, which kvcached refuses at
+        start-up; should a V1 path call it, the engine stops here, naming it."""
+        raise IntegrationError("BlockPool.unpin_blocks (vLLM's HiSparse) is not served by kvcached's elastic pool")
 
     def reset_prefix_cache(self) -> bool:
         """Native reset; on success every free block is CLEAN and empty pages go back."""

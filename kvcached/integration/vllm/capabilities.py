@@ -10,7 +10,7 @@ Rows (first vLLM minor series that has the behaviour; the contract notes in
 ========================  ===========  ==================================================
 field                     series       meaning
 ========================  ===========  ==================================================
-(supported range)         0.26-0.29    the native ``BlockPool`` contract `ElasticBlockPool`
+(supported range)         0.26-0.32    the native ``BlockPool`` contract `ElasticBlockPool`
                                        subclasses (constructor, hash hooks, free queue:
                                        with caching on, ``free_blocks`` queues unhashed
                                        blocks first and hashed ones last in every series)
@@ -20,7 +20,21 @@ raw_mamba_pages           0.27+        Mamba layers bind one raw page tensor
                                        (``MambaBase.bind_kv_cache``)
 allocate_kv_cache         0.29+        KV tensors come from ``utils.allocate_kv_cache``;
                                        ``_allocate_kv_cache_tensors`` is gone
+cpu_warmup_decision       0.30+        ``CPUWorker._should_warm_up_model()`` decides
+                                       whether ``determine_available_memory`` warms the
+                                       model up (eager mode with an explicit KV size: no)
+request_memory_external   0.32+        ``request_memory(init_snapshot, cache_config,
+                                       external_weight_memory)``: the share excludes
+                                       weights held outside the process
 ========================  ===========  ==================================================
+
+Also from 0.30: ``BlockPool`` gains ``unpin_blocks``, reuse watchers and frees routed to
+another pool. Their only caller is HiSparse, which vLLM runs on Model Runner V2 only, and
+kvcached refuses V2 (`kvcached.integration.vllm.worker`, the ``use_v2_model_runner``
+seam); `ElasticBlockPool.unpin_blocks` refuses by name should a V1 path ever call it.
+
+A release enters this table once ``nox -s compat -- <version>`` has added its row to
+``reports/compat/``; any other release is refused at start-up with that hint.
 
 Version strings are parsed strictly (PEP 440); the policy for suffixes is deliberate:
 
@@ -45,7 +59,7 @@ from kvcached.errors import IntegrationError
 Series = tuple[int, int]
 
 #: Supported vLLM minor series, inclusive. This is the native-pool compatibility range.
-SUPPORTED: tuple[Series, Series] = ((0, 26), (0, 29))
+SUPPORTED: tuple[Series, Series] = ((0, 26), (0, 32))
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +74,8 @@ class Capabilities:
     logical_block_copy: bool
     raw_mamba_pages: bool
     allocate_kv_cache: bool
+    cpu_warmup_decision: bool
+    request_memory_external: bool
 
 
 # field -> first series that has it (all rows hold through the end of SUPPORTED).
@@ -67,6 +83,8 @@ _FIRST: dict[str, Series] = {
     "logical_block_copy": (0, 26),
     "raw_mamba_pages": (0, 27),
     "allocate_kv_cache": (0, 29),
+    "cpu_warmup_decision": (0, 30),
+    "request_memory_external": (0, 32),
 }
 
 
@@ -107,7 +125,9 @@ def capabilities_for(version: str) -> Capabilities:
     lo, hi = SUPPORTED
     if not lo <= series <= hi:
         raise IntegrationError(
-            f"vLLM {version} is not supported; kvcached supports vLLM {_range_text()}"
+            f"vLLM {version} is not supported; kvcached supports vLLM {_range_text()}. A release is "
+            f"supported once `nox -s compat -- {version}` has added its row to reports/compat/ and "
+            "kvcached/integration/vllm/capabilities.py its entry"
         )
     flags = {name: first <= series for name, first in _FIRST.items()}
     return Capabilities(version=version, series=series, **flags)

@@ -60,8 +60,8 @@ gone and ``vllm.v1.worker.gpu_model_runner.allocate_kv_cache`` replaces both (be
     The name the V1 runner imported (patching ``vllm.v1.worker.utils`` would have no
     effect). When kvcached is disabled it calls the original; otherwise
     `kvcached.copy.copy_blocks`, which validates first and copies each backing's byte
-    runs once. The runner's call site and timing are untouched. Model Runner V2 is not
-    patched (kvcached requires ``VLLM_USE_V2_MODEL_RUNNER=0``). vLLM 0.29's own helper
+    runs once. The runner's call site and timing are untouched. Model Runner V2 is
+    refused at start-up (below). vLLM 0.29's own helper
     copies view by view and would only touch the listed blocks, but it copies views
     that overlay one backing (hybrid groups) once each, so a batch where a block is both
     a destination and a later source is applied twice over the same bytes, and it
@@ -117,10 +117,18 @@ is installed, from ``KVCACHED_ENABLE``/``ENABLE_KVCACHED`` unless the installer 
 plugin only installs when enabled, but a disabled install makes every seam a pure
 delegation to vLLM, so tests and tools can install the seams without changing behaviour.
 
-Versions: the memory seams are checked against vLLM 0.28.0's and 0.29.0's source. `install` checks
+Versions: the memory seams are checked against vLLM 0.28.0's to 0.32.0's source. `install` checks
 the shape they rely on (the attributes exist where expected, ``request_memory`` is still
-vLLM's helper) and refuses, patching nothing, a vLLM that differs; there is no
-capability row because no supported series is known to differ.
+vLLM's helper) and refuses, patching nothing, a vLLM that differs. Two capability rows
+follow vLLM: from 0.30 the CPU warm-up runs when ``CPUWorker._should_warm_up_model()`` says
+so (``cpu_warmup_decision``); from 0.32 ``request_memory`` takes the weights held outside
+the process and subtracts them from the share (``request_memory_external``).
+
+``VllmConfig.use_v2_model_runner`` (Model Runner V2)
+    vLLM's one decision between the runners, a property read while the engine's config is
+    validated. While kvcached acts, a decision for V2 raises `IntegrationError` naming
+    ``VLLM_USE_V2_MODEL_RUNNER=0``: V2 allocates and copies KV through its own names, which
+    the seams above do not reach (``docs/model-runner-v2.md``).
 """
 
 from __future__ import annotations
@@ -145,7 +153,7 @@ from kvcached.faults import FaultInjector
 from kvcached.host import default_host_limit
 from kvcached.integration.vllm import install_state
 from kvcached.integration.vllm.capabilities import Capabilities
-from kvcached.integration.vllm.patching import PatchSet, require_own
+from kvcached.integration.vllm.patching import PatchSet, own, require_own
 from kvcached.integration.vllm.view_regions import plan_regions, rebase
 from kvcached.ranks import BudgetRef, RankPages
 from kvcached.views import BytePageMeta, attach_meta, describe_block_view
@@ -681,7 +689,7 @@ def capped_kv_bytes(virtual_bytes: int, config: KvcachedConfig | None = None, de
     return reported
 
 
-def _wrap_cpu_determine(original: Callable[..., int]) -> Callable[..., int]:
+def _wrap_cpu_determine(original: Callable[..., int], caps: Capabilities) -> Callable[..., int]:
     @functools.wraps(original)
     def determine_available_memory(self: Any) -> int:
         if not _acting():
@@ -690,9 +698,11 @@ def _wrap_cpu_determine(original: Callable[..., int]) -> Callable[..., int]:
         explicit = self.cache_config.kv_cache_memory_bytes
         if explicit is None:
             return capped_kv_bytes(original(self), config)  # vLLM's RSS-based sizing, checks included
-        # vLLM's version warms the model up first, then checks `explicit` against the
-        # node's available memory; the KV tensors are virtual, so only the warm-up applies.
-        self.model_runner.warming_up_model()
+        # vLLM's version warms the model up first (0.30+: when its own decision says so),
+        # then checks `explicit` against the node's available memory; the KV tensors are
+        # virtual, so only the warm-up applies.
+        if not caps.cpu_warmup_decision or self._should_warm_up_model():
+            self.model_runner.warming_up_model()
         return capped_kv_bytes(explicit, config)
 
     return determine_available_memory
@@ -709,20 +719,75 @@ def _wrap_gpu_determine(original: Callable[..., int]) -> Callable[..., int]:
     return determine_available_memory
 
 
-def _wrap_request_memory(original: Callable[..., int]) -> Callable[..., int]:
+def _share(init_snapshot: Any, cache_config: Any, external_weight_memory: int = 0) -> int:
+    """vLLM's share of the device, without "that much must be free now": peers' elastic
+    pages come and go, and kvcached admits only what can be mapped. Weights held outside
+    the process (0.32+) are not part of it, as in vLLM."""
+    share = math.ceil(init_snapshot.total_memory * cache_config.gpu_memory_utilization)
+    return share - external_weight_memory if external_weight_memory > 0 else share
+
+
+def _wrap_request_memory(original: Callable[..., int], caps: Capabilities) -> Callable[..., int]:
+    if caps.request_memory_external:
+
+        @functools.wraps(original)
+        def request_memory_external(init_snapshot: Any, cache_config: Any, external_weight_memory: int = 0) -> int:
+            if not _acting():
+                return original(init_snapshot, cache_config, external_weight_memory)
+            return _share(init_snapshot, cache_config, external_weight_memory)
+
+        return request_memory_external
+
     @functools.wraps(original)
     def request_memory(init_snapshot: Any, cache_config: Any) -> int:
         if not _acting():
             return original(init_snapshot, cache_config)
-        # vLLM's share of the device, without "that much must be free now": peers'
-        # elastic pages come and go, and kvcached admits only what can be mapped.
-        return math.ceil(init_snapshot.total_memory * cache_config.gpu_memory_utilization)
+        return _share(init_snapshot, cache_config)
 
     return request_memory
 
 
+# ---- (e) Model Runner V2 ---------------------------------------------------------------------
+V2_REFUSAL = (
+    "vLLM selected Model Runner V2 for this engine, and kvcached serves Model Runner V1 only (V2 "
+    "allocates and copies KV through other functions: docs/model-runner-v2.md). Set "
+    "VLLM_USE_V2_MODEL_RUNNER=0 to run V1 with kvcached (features that exist only in V2, such as "
+    "watermark_config or HiSparse, keep V2 selected), or KVCACHED_ENABLE=0 to run V2 without kvcached"
+)
+
+
+def _wrap_v2_decision(original: property) -> property:
+    """``VllmConfig.use_v2_model_runner`` that refuses V2 while kvcached acts.
+
+    vLLM reads this decision when it validates the engine's config, before any worker, runner
+    or KV tensor exists, so the refusal comes at start-up with nothing built. Disabled (or
+    deciding V1), it returns vLLM's own answer.
+    """
+    decide = original.fget
+    assert decide is not None
+
+    @functools.wraps(decide)
+    def use_v2_model_runner(self: Any) -> bool:
+        v2 = bool(decide(self))
+        if v2 and _acting():
+            raise IntegrationError(V2_REFUSAL)
+        return v2
+
+    return property(use_v2_model_runner, original.fset, original.fdel, original.__doc__)
+
+
+def _v2_plan() -> list[tuple[Any, str, Any]]:
+    from vllm.config import VllmConfig
+
+    decision = own(VllmConfig, "use_v2_model_runner")
+    if not isinstance(decision, property) or decision.fget is None:
+        raise IntegrationError("vllm.config.VllmConfig.use_v2_model_runner is not the property kvcached "
+                               "expects (vLLM's Model Runner V1/V2 decision)")
+    return [(VllmConfig, "use_v2_model_runner", _wrap_v2_decision(decision))]
+
+
 # ---- install / uninstall ---------------------------------------------------------------------
-def _memory_plan() -> list[tuple[Any, str, Any]]:
+def _memory_plan(caps: Capabilities) -> list[tuple[Any, str, Any]]:
     """The memory-profiling seams (see the module docstring), after checking vLLM's shape."""
     from vllm.platforms import current_platform
     from vllm.v1.worker import gpu_worker, utils
@@ -734,7 +799,7 @@ def _memory_plan() -> list[tuple[Any, str, Any]]:
         )
     # CPUWorker overrides determine_available_memory and gets its own seam below.
     plan = [
-        (gpu_worker, "request_memory", _wrap_request_memory(request)),
+        (gpu_worker, "request_memory", _wrap_request_memory(request, caps)),
         (gpu_worker.Worker, "determine_available_memory",
          _wrap_gpu_determine(require_own(gpu_worker.Worker, "determine_available_memory", exclusive=False))),
     ]
@@ -742,8 +807,10 @@ def _memory_plan() -> list[tuple[Any, str, Any]]:
         from vllm.v1.worker import cpu_worker
 
         cpu = cpu_worker.CPUWorker
+        if caps.cpu_warmup_decision:
+            require_own(cpu, "_should_warm_up_model")
         plan.append((cpu, "determine_available_memory",
-                     _wrap_cpu_determine(require_own(cpu, "determine_available_memory"))))
+                     _wrap_cpu_determine(require_own(cpu, "determine_available_memory"), caps)))
     return plan
 
 
@@ -782,7 +849,8 @@ def _plan(caps: Capabilities) -> list[tuple[Any, str, Any]]:
             _wrap_profiling(require_own(runner, "_init_minimal_kv_cache_for_profiling")),
         ),
         (gpu_model_runner, "copy_kv_cache_blocks_inplace", _wrap_copy(copy_original)),
-        *_memory_plan(),
+        *_memory_plan(caps),
+        *_v2_plan(),
     ]
 
 
