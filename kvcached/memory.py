@@ -8,7 +8,7 @@ without either installed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvcached.errors import ConfigError
 
@@ -58,8 +58,8 @@ class _Exporter:
     def __init__(self, vrange: VirtualRange, offset: int, nbytes: int) -> None:
         self._args = (vrange, offset, nbytes)
 
-    def __dlpack__(self, *, stream: object = None, max_version: tuple[int, int] | None = None,
-                   dl_device: object = None, copy: bool | None = None) -> object:
+    def __dlpack__(self, *, stream: None = None, max_version: tuple[int, int] | None = None,
+                   dl_device: object = None, copy: bool | None = None) -> Any:
         if copy:
             raise BufferError("a kvcached view is never a copy")
         vrange, offset, nbytes = self._args

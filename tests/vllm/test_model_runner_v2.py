@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("kvcached._vmm", reason="native extension not built")
 
-from conformance.engine_env import ENGINE_ENV  # noqa: E402
+from conformance.engine_env import ENGINE_ENV
 
 TIMEOUT_S = 300
 
@@ -75,9 +75,12 @@ def test_v2_is_refused_at_start_up_by_name(scenario: str, tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("scenario", ["env-off", "fake-off"])
 def test_disabled_kvcached_leaves_the_decision_to_vllm(scenario: str, tmp_path: Path) -> None:
-    """vLLM alone: whatever V2 does here (on CPU it cannot run), it is not kvcached's refusal."""
+    """vLLM alone: V2 really was decided (vLLM's own refusal on CPU, where it has no Triton),
+    and nothing of kvcached's took part."""
     got = _run(scenario, tmp_path)
-    assert "kvcached" not in str(got.get("error", "")) and "Model Runner V1 only" not in str(got.get("error", ""))
+    error = str(got.get("error", ""))
+    assert got["started"] is False and "Model Runner V2 requires Triton" in error
+    assert "kvcached" not in error and "Model Runner V1 only" not in error
 
 
 def test_v1_decided_starts_on_kvcached(tmp_path: Path) -> None:
