@@ -90,7 +90,9 @@ KVCACHED_ENV = {
 # shares only 128 with a power of two, so the page must be a multiple of lcm(4096, 19840) =
 # 634880 bytes (32 blocks). In bf16 (the series without a float32 causal-conv kernel,
 # `conformance.vllm_series`) it is 18112 = 64 x 283 bytes: lcm(4096, 18112) = 1159168 bytes,
-# and no page size puts fewer than 64 blocks on a kv page.
+# and no page size puts fewer than 64 blocks on a kv page. The SSM state is asked for in
+# float32 on every series: up to 0.29 that is vLLM's default, from 0.30 its default follows
+# the model's dtype (which would make the bf16 page 9920 bytes), so the geometry above holds.
 SMALL_PAGE = 64 << 10
 MAMBA2_DTYPE = vllm_series.adjusted("mamba2", {"dtype": "float32"})["dtype"]
 MAMBA2_PAGE = {"float32": 634880, "bfloat16": 1159168}[MAMBA2_DTYPE]
@@ -120,7 +122,8 @@ CASES = [
     Case("llama-noprefix-sync", "llama", {"block_size": 16, "enable_prefix_caching": False}, False, SMALL_PAGE),
     Case("llama-noprefix-async", "llama", {"block_size": 16, "enable_prefix_caching": False}, True, SMALL_PAGE),
     # Mamba2's block is its own (no attention page to align to): 16 tokens, matched every 8.
-    Case("mamba2-prefix-sync", "mamba2", {"block_size": 16, **HYBRID, "prefix_match_unit": 8}, False, MAMBA2_PAGE),
+    Case("mamba2-prefix-sync", "mamba2", {"block_size": 16, **HYBRID, "prefix_match_unit": 8,
+                                           "mamba_ssm_cache_dtype": "float32"}, False, MAMBA2_PAGE),
     Case("nemotron_h-prefix-sync", "nemotron_h", dict(HYBRID), False, SMALL_PAGE),
     Case("nemotron_h-prefix-async", "nemotron_h", dict(HYBRID), True, SMALL_PAGE),
     Case("granitemoehybrid-prefix-sync", "granitemoehybrid", dict(HYBRID), False, SMALL_PAGE),
