@@ -370,3 +370,14 @@ def test_a_copy_fault_in_the_first_pass_has_no_tokens_to_compare() -> None:
     oth.requests = _result([[1, 2, 3, 4]]).requests  # a request recorded in the failing pass is not native's
     row, _ = compare_results(case, ref, oth, None, None, True)
     assert not row.passed and "request lists differ" in " | ".join(row.problems)
+
+
+def test_the_summary_names_a_planned_engine_error() -> None:
+    from conformance.orchestrate.report.build import _who_and_match
+
+    case, ref, oth = _copy_fault_pair()
+    row, _ = compare_results(case, ref, oth, None, None, True)
+    assert _who_and_match(row, "KVCached") == ("KVCached", "Engine error as planned (pass 2: InjectedFault)")
+    oth.teardown.live_children = ["EngineCore_DP0 (pid 7)"]  # type: ignore[union-attr]
+    row, _ = compare_results(case, ref, oth, None, None, True)
+    assert _who_and_match(row, "KVCached") == ("KVCached", "error")

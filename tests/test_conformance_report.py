@@ -538,3 +538,16 @@ def test_report_functions_are_short() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 assert node.end_lineno - node.lineno < 60, f"{path.name}:{node.name}"
+
+
+def test_recompare_refuses_a_run_it_cannot_compare_again(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--recompare reruns only the comparison: a run without raw results, or one that kept no KV
+    snapshots (whose KV bytes would then read as missing), is refused by name, before anything."""
+    from conformance.orchestrate import cli
+
+    args = ["--quick", "--reports-dir", str(tmp_path), "--recompare", "old-run"]
+    assert cli.main(args) == 2 and "no raw results" in capsys.readouterr().err
+    (tmp_path / "old-run" / "raw" / "reference").mkdir(parents=True)
+    (tmp_path / "old-run" / "raw" / "reference" / "case.json").write_text("{}")
+    assert cli.main(args) == 2 and "--keep-kv" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "old-run").iterdir()) == ["raw"]  # nothing written

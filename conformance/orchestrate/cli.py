@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="where run directories and latest/ go (default reports/conformance)",
     )
     p.add_argument("--run-id", default=None, help="name of the run directory (default: UTC time + candidate)")
+    p.add_argument("--recompare", metavar="RUN_ID", default=None,
+                   help="compare and report that run's raw results again, running no engine (after a comparator "
+                        "or report change; the run must have used --keep-kv; select the same cases as it did)")
     p.add_argument("--keep-kv", action="store_true", help="keep the raw KV snapshots (.npz) after comparing")
     p.add_argument("--case-timeout", type=float, default=150.0, help="seconds allowed per case in a child")
     p.add_argument("--list", action="store_true", help="print the selected cases and exit")
@@ -212,8 +215,10 @@ def _compare_archetype(runner: Runner, cases: list[C.Case], out: Collected, prog
             progress.log(f"         problem: {p}")
 
 
-def _run_matrix(cfg: RunConfig, cases: list[C.Case], progress: RunProgress) -> tuple[Runner, Collected]:
-    """Every archetype's engine processes, then its comparisons."""
+def _run_matrix(cfg: RunConfig, cases: list[C.Case], progress: RunProgress,
+                run_engines: bool = True) -> tuple[Runner, Collected]:
+    """Every archetype's engine processes (unless ``run_engines`` is off: the run directory's
+    raw results are compared again), then its comparisons."""
     runner = Runner(cfg, progress.log, lambda side, cid, secs, ok: progress.advance(f"{side} {cid}", ok, secs))
     out = Collected()
     # One group of engine processes per archetype and layout (a process serves one layout).
@@ -222,7 +227,8 @@ def _run_matrix(cfg: RunConfig, cases: list[C.Case], progress: RunProgress) -> t
         group = [c for c in cases if (c.archetype.name, c.layout) == (arch, layout)]
         label = arch if layout is C.Layout.INPROC else f"{arch}-{layout.value}"
         progress.log(f"[{i}/{len(groups)}] {label}: {len(group)} case(s)")
-        runner.run_archetype(label, group)
+        if run_engines:
+            runner.run_archetype(label, group)
         _compare_archetype(runner, group, out, progress)
     return runner, out
 
@@ -253,12 +259,25 @@ def _write(args: argparse.Namespace, cfg: RunConfig, cases: list[C.Case], out: C
         "engine_env": "PYTHONHASHSEED=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1; layout inproc: "
                       "VLLM_ENABLE_V1_MULTIPROCESSING=0; mp and tp2: =1, VLLM_CPU_OMP_THREADS_BIND=nobind",
     }
+    if args.recompare:
+        settings["recompared"] = (f"the raw results of run {args.recompare} compared again; no engine ran, so the "
+                                  "wall time is the comparison's")
     env = report.environment(report.python_command(), settings, plugin_status)
     name = "KVCached" if args.candidate == "kvcached" else "Native candidate (harness self-test)"
     return report.write_report(
         cfg.run_dir, args.reports_dir / "latest", out.rows, out.per_case, env, name,
         {c.case_id: c for c in cases}, out.memory, issues, wall,
     )  # fmt: skip
+
+
+def _not_recomparable(run_dir: Path) -> str | None:
+    """Why a run's raw results cannot be compared again (None: they can)."""
+    raw = run_dir / "raw"
+    if not raw.is_dir():
+        return f"no raw results under {run_dir}"
+    if not any(raw.rglob("*.npz")):
+        return "the run kept no KV snapshots (.npz), so its KV bytes cannot be compared again; rerun it with --keep-kv"
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -274,12 +293,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if (plugin_status := _plugin_status(args.candidate)) is None:
         return 2
+    if args.recompare:
+        args.run_id = args.recompare
     cfg, t0 = _config(args), time.monotonic()
+    if args.recompare and (why := _not_recomparable(cfg.run_dir)):
+        print(f"conformance: --recompare {args.recompare}: {why}", file=sys.stderr)
+        return 2
     n_ctrl = sum(c.is_control for c in cases)
     with RunProgress(planned_runs(cases), "conformance") as progress:
         progress.log(f"[conformance] run {cfg.run_dir.name}: {len(cases) - n_ctrl} cases + {n_ctrl} controls, "
                      f"candidate={args.candidate}; results under {cfg.run_dir}")
-        runner, out = _run_matrix(cfg, cases, progress)
+        runner, out = _run_matrix(cfg, cases, progress, run_engines=not args.recompare)
     if not args.keep_kv:
         for npz in runner.raw.rglob("*.npz"):
             npz.unlink()

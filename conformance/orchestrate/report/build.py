@@ -113,6 +113,8 @@ def _who_and_match(r: ParityRow, candidate_name: str) -> tuple[str, str]:
         return "Native vs native baseline", "Exact" if r.passed else f"Mismatch ({r.exact_matches}/{r.requests} exact)"
     if r.control != "none":
         return f"Negative control ({r.control})", "Mismatch detected (expected)" if r.passed else "NOT DETECTED"
+    if r.engine_error:  # a plan that fails inside execute_model (fault site copy)
+        return candidate_name, f"Engine error as planned ({r.engine_error})" if r.passed else r.verdict
     if r.passed and r.exact_matches == r.requests:
         return candidate_name, "Exact"
     if r.passed and r.native_unstable_requests:
