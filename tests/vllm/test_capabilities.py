@@ -19,14 +19,12 @@ ROWS: dict[tuple[int, int], dict[str, object]] = {  # from the contract notes an
     (0, 28): {**_BASE, "allocate_kv_cache": False},
     (0, 29): _BASE,
     (0, 30): {**_BASE, "cpu_warmup_decision": True},
-    (0, 31): {**_BASE, "cpu_warmup_decision": True},
-    (0, 32): {**_BASE, "cpu_warmup_decision": True, "request_memory_external": True},
 }
 
 
 @pytest.mark.parametrize("version, series", [
     ("0.26.0", (0, 26)), ("0.27.0", (0, 27)), ("0.27.1", (0, 27)), ("0.28.0", (0, 28)),
-    ("0.29.0", (0, 29)), ("0.30.0", (0, 30)), ("0.31.0", (0, 31)), ("0.32.0", (0, 32)), ("0.28.0+cpu", (0, 28)), ("0.28.0+cu129", (0, 28)),
+    ("0.29.0", (0, 29)), ("0.30.0", (0, 30)), ("0.28.0+cpu", (0, 28)), ("0.28.0+cu129", (0, 28)),
     ("0.28.0.post1", (0, 28)), ("0.28.2", (0, 28)), ("0.28", (0, 28)), (" 0.26.0 ", (0, 26)),
 ])
 def test_supported_versions(version: str, series: tuple[int, int]) -> None:
@@ -36,9 +34,9 @@ def test_supported_versions(version: str, series: tuple[int, int]) -> None:
             if f.name not in ("version", "series")} == ROWS[series]
 
 
-@pytest.mark.parametrize("version", ["0.25.2", "0.23.0", "0.9.2", "0.33.0", "1.0.0", "0.33.0+cpu", "2"])
+@pytest.mark.parametrize("version", ["0.25.2", "0.23.0", "0.9.2", "0.31.0", "0.32.0", "1.0.0", "0.33.0+cpu", "2"])
 def test_unsupported_versions_name_the_supported_range(version: str) -> None:
-    with pytest.raises(IntegrationError, match=r"supports vLLM 0\.26 to 0\.32\. .*nox -s compat -- "):
+    with pytest.raises(IntegrationError, match=r"supports vLLM 0\.26 to 0\.30\. .*nox -s compat -- "):
         capabilities_for(version)
 
 
