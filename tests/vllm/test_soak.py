@@ -32,3 +32,25 @@ def test_the_checks_see_a_leak_and_a_mismatch() -> None:
     result.end = base
     result.mismatches, result.mismatch_margins = [0, 1], [1e-5, 0.5]  # one near-tie, one real
     assert result.unexplained == [1] and not result.checks()["no token difference beyond a native near-tie"]
+
+
+def test_the_native_control_has_only_the_checks_that_can_fail_on_native(tmp_path: Path) -> None:
+    from conformance.orchestrate.soak_report import render
+
+    with pytest.raises(ValueError, match="candidate='kvached'"):
+        SoakPlan(candidate="kvached")
+    base = Sample(t=1.0, rss=1000 << 20, fds=100, memfds=0, mapped=0)
+    result = SoakResult(SoakPlan(candidate="native"), baseline=base, end=base, aborted=1, preemptions=1)
+    assert all(result.checks().values())
+    assert not any("mapped" in name or "memfds" in name for name in result.checks())
+    result.end = dataclasses.replace(base, fds=101)
+    assert [name for name, ok in result.checks().items() if not ok] == ["descriptors back to the baseline"]
+    # The control's report sets its rate beside the kvcached soak's result.
+    kvcached = tmp_path / "result.json"
+    kvcached.write_text('{"completed": 100, "mismatches": [3], "unexplained": [], '
+                        '"plan": {"duration_s": 600, "clients": 8, "seed": 0}}')
+    result.completed = [(None, [1])] * 50  # type: ignore[list-item]
+    result.mismatches, result.mismatch_margins = [7, 9], [1e-4, 2e-4]
+    text = render(result, "cmd", kvcached)
+    assert "| kvcached (" in text and "1 of 100 (1.000%)" in text and "2 of 50 (4.000%)" in text
+    assert "native control: FAIL" in text and "kvcached mapped" not in text
