@@ -45,6 +45,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from conformance.engine_env import without_kvcached
+
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 TARGET_S = 1.0
@@ -175,7 +177,7 @@ def child(spec: dict[str, Any]) -> None:
 
 # ---- parent: run the sides, summarize, report ---------------------------------------------------
 def run_side(side: str, spec: dict[str, Any], page_size: int, cap: int) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
+    env = without_kvcached(dict(os.environ))
     env.update(ENV)
     if side == "native":
         env["VLLM_PLUGINS"] = ""

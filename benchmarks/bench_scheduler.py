@@ -45,6 +45,8 @@ from typing import Any
 
 from verdicts import RULE, verdict
 
+from conformance.engine_env import without_kvcached
+
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = 1.10
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
@@ -164,7 +166,7 @@ def child(spec: dict[str, Any]) -> None:
 
 # ---- parent: alternate, compare ---------------------------------------------------------------
 def sample(kvcached: bool, config: Config, concurrency: list[int], max_tokens: int, page_size: int) -> list[Run]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
+    env = without_kvcached(dict(os.environ))
     env.update(ENV)
     if kvcached:
         # No cached-block cap: prefix hits, hence the schedule, stay native (checked per step).

@@ -42,6 +42,8 @@ from typing import Any
 
 from verdicts import RULE, verdict
 
+from conformance.engine_env import without_kvcached
+
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = 1.10
 BLOCK = 16  # tokens per block
@@ -191,7 +193,7 @@ def child(config: Config, pairs: int, max_tokens: int) -> Result:
 
 # ---- parent --------------------------------------------------------------------------------
 def sample(config: Config, pairs: int, max_tokens: int) -> Result:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")} | ENV
+    env = without_kvcached(dict(os.environ)) | ENV
     spec = json.dumps({"config": asdict(config), "pairs": pairs, "max_tokens": max_tokens})
     proc = subprocess.run([sys.executable, __file__, "--child", spec], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=1800, check=False)

@@ -16,3 +16,14 @@ ENGINE_ENV: dict[str, str] = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_USE_V2_MODEL_RUNNER": "0",
 }
+
+#: kvcached variables that describe the machine's vLLM, not one engine's case: a child keeps them.
+HOST_KNOBS: tuple[str, ...] = ("KVCACHED_VLLM_TRIAL",)
+
+
+def without_kvcached(environ: dict[str, str]) -> dict[str, str]:
+    """``environ`` less every kvcached knob (``KVCACHED_*``, upstream's ``ENABLE_KVCACHED``),
+    so that a child engine gets only what its case sets; `HOST_KNOBS` stay (a release the
+    compat session runs on trial is on trial in every child)."""
+    return {k: v for k, v in environ.items()
+            if k in HOST_KNOBS or not (k.startswith("KVCACHED_") or k == "ENABLE_KVCACHED")}

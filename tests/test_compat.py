@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pandas as pd
@@ -78,3 +79,28 @@ def test_the_report_round_trips_and_names_every_failure(tmp_path: Path) -> None:
     text = compat.render(loaded, tmp_path).read_text()
     assert "| 0.30.0 | supported: exact" in text and "mismatch (1/2)" in text and "unsupported (0/1)" in text
     assert "`llama-async-1` (mismatch): why" in text and "0.26 stays at contract level" in text
+
+
+def test_releases_after_the_range_run_on_trial_and_the_row_says_so(tmp_path: Path) -> None:
+    from kvcached.integration.vllm.capabilities import SUPPORTED, TRIAL
+
+    newest = f"{SUPPORTED[1][0]}.{SUPPORTED[1][1]}.0"
+    assert not compat.on_trial(newest) and not compat.on_trial("0.27.1")
+    assert not compat.on_trial(f"{TRIAL[0]}.{TRIAL[1] + 1}.0")  # no drafted rows: refused as kvcached finds it
+    if SUPPORTED[1] < TRIAL:
+        assert compat.on_trial(f"{TRIAL[0]}.{TRIAL[1]}.0")
+    row = dataclasses.replace(_version("0.31.0", ["exact"]), trial=True)
+    old = {k: v for k, v in _version("0.30.0", ["exact"]).to_json().items() if k != "trial"}
+    assert compat.VersionResult.from_json(old).trial is False  # rows written before the field
+    compat.write_version(row, tmp_path)
+    assert compat.load_versions(tmp_path) == [row]
+    text = compat.render([compat.VersionResult.from_json(old), row], tmp_path).read_text()
+    assert "| in range" in text and "| on trial" in text
+
+
+def test_children_keep_the_trial_switch_and_lose_every_case_knob() -> None:
+    from conformance.engine_env import without_kvcached
+
+    env = {"KVCACHED_VLLM_TRIAL": "1", "KVCACHED_ENABLE": "1", "ENABLE_KVCACHED": "1",
+           "KVCACHED_BUDGET_BYTES": "1", "KVCACHED_FAULT_PLAN": "/x", "PATH": "/bin"}
+    assert without_kvcached(env) == {"KVCACHED_VLLM_TRIAL": "1", "PATH": "/bin"}

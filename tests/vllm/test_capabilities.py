@@ -8,8 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from kvcached.errors import IntegrationError
-from kvcached.integration.vllm.capabilities import Capabilities, capabilities_for, detect, parse_series
+from kvcached.errors import ConfigError, IntegrationError
+from kvcached.integration.vllm.capabilities import (
+    TRIAL_ENV,
+    Capabilities,
+    capabilities_for,
+    detect,
+    parse_series,
+    trial_requested,
+)
 
 _BASE = {"logical_block_copy": True, "raw_mamba_pages": True, "allocate_kv_cache": True,
          "cpu_warmup_decision": False, "request_memory_external": False}
@@ -19,6 +26,10 @@ ROWS: dict[tuple[int, int], dict[str, object]] = {  # from the contract notes an
     (0, 28): {**_BASE, "allocate_kv_cache": False},
     (0, 29): _BASE,
     (0, 30): {**_BASE, "cpu_warmup_decision": True},
+}
+TRIAL_ROWS: dict[tuple[int, int], dict[str, object]] = {  # drafted from the wheels' source
+    (0, 31): {**_BASE, "cpu_warmup_decision": True},
+    (0, 32): {**_BASE, "cpu_warmup_decision": True, "request_memory_external": True},
 }
 
 
@@ -68,7 +79,36 @@ def test_detect_reads_the_installed_vllm() -> None:
 
     caps = detect()
     assert isinstance(caps, Capabilities) and caps.version == vllm.__version__
-    assert caps == capabilities_for(vllm.__version__) and caps.series in ROWS
+    assert caps == capabilities_for(vllm.__version__, trial=trial_requested()) and caps.series in {**ROWS, **TRIAL_ROWS}
+
+
+@pytest.mark.parametrize("version, series", [("0.31.0", (0, 31)), ("0.32.0", (0, 32)), ("0.32.1+cpu", (0, 32))])
+def test_drafted_releases_are_accepted_on_trial_only(version: str, series: tuple[int, int],
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(IntegrationError, match=rf"{TRIAL_ENV}=1 accepts it on trial"):
+        capabilities_for(version)
+    caps = capabilities_for(version, trial=True)
+    assert caps.series == series and {f.name: getattr(caps, f.name) for f in dataclasses.fields(caps)
+                                      if f.name not in ("version", "series")} == TRIAL_ROWS[series]
+    assert "accepted on trial" in caplog.text
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.25.2", "1.0.0"])
+def test_trial_does_not_widen_past_the_drafted_rows(version: str) -> None:
+    with pytest.raises(IntegrationError, match="is not supported") as info:
+        capabilities_for(version, trial=True)
+    assert "on trial" not in str(info.value)
+
+
+@pytest.mark.parametrize("raw, want", [(None, False), ("0", False), ("", False), ("1", True), (" on ", True)])
+def test_the_trial_switch(raw: str | None, want: bool) -> None:
+    assert trial_requested({} if raw is None else {TRIAL_ENV: raw}) is want
+
+
+@pytest.mark.parametrize("raw", ["2", "nan", "maybe"])
+def test_a_bad_trial_switch_is_named(raw: str) -> None:
+    with pytest.raises(ConfigError, match=rf"{TRIAL_ENV}={raw!r}"):
+        trial_requested({TRIAL_ENV: raw})
 
 
 def test_capabilities_is_the_only_module_that_compares_vllm_versions() -> None:

@@ -40,6 +40,7 @@ from engine_child import (
     shutdown,
 )
 
+from conformance.engine_env import without_kvcached
 from conformance.vllm_series import attention_block_size
 from kvcached.budget import BudgetRecord
 from kvcached.host import read_host_memory
@@ -187,7 +188,7 @@ def test_warmup_reads_the_null_block_before_the_pool_exists(runs: dict[str, Any]
 @pytest.fixture
 def seams(monkeypatch: pytest.MonkeyPatch) -> Any:
     """The worker seams installed and enabled in this process, restored afterwards."""
-    for name in [n for n in os.environ if n.startswith("KVCACHED_")] + ["ENABLE_KVCACHED"]:
+    for name in set(os.environ) - set(without_kvcached(dict(os.environ))):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KVCACHED_ENABLE", "1")
     worker.install(detect())

@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("kvcached._vmm", reason="native extension not built")
 
-from conformance.engine_env import ENGINE_ENV
+from conformance.engine_env import ENGINE_ENV, without_kvcached
 
 TIMEOUT_S = 300
 
@@ -51,7 +51,7 @@ def _child(scenario: str) -> dict[str, object]:
 
 
 def _run(scenario: str, tmp_path: Path) -> dict[str, object]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_") and k != "VLLM_PLUGINS"}
+    env = {k: v for k, v in without_kvcached(dict(os.environ)).items() if k != "VLLM_PLUGINS"}
     env.update(ENGINE_ENV)
     env["KVCACHED_ENABLE"] = "0" if scenario.endswith("-off") else "1"
     if scenario.startswith("env"):

@@ -36,7 +36,11 @@ kvcached refuses V2 (`kvcached.integration.vllm.worker`, the ``use_v2_model_runn
 seam); `ElasticBlockPool.unpin_blocks` refuses by name should a V1 path ever call it.
 
 A release enters this table once ``nox -s compat -- <version>`` has added its row to
-``reports/compat/``; any other release is refused at start-up with that hint.
+``reports/compat/``; any other release is refused at start-up with that hint. A release
+whose rows were read from its wheel's source but whose compat row is not in yet
+(``SUPPORTED[1] < series <= TRIAL``) is accepted only *on trial*: with
+``KVCACHED_VLLM_TRIAL=1``, which the compat session sets so that it can produce the row that
+admits the release, and with a warning. Without it such a release is refused like any other.
 
 Version strings are parsed strictly (PEP 440); the policy for suffixes is deliberate:
 
@@ -52,23 +56,34 @@ Version strings are parsed strictly (PEP 440); the policy for suffixes is delibe
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
+from kvcached.config import parse_bool
 from kvcached.errors import IntegrationError
 
 Series = tuple[int, int]
 
 #: Supported vLLM minor series, inclusive. This is the native-pool compatibility range.
 SUPPORTED: tuple[Series, Series] = ((0, 26), (0, 30))
+#: The newest series whose rows below were read from its wheel's source: accepted on trial only.
+TRIAL: Series = (0, 32)
+#: ``1`` accepts a release on trial (the compat session sets it); unset or ``0``: refused.
+TRIAL_ENV = "KVCACHED_VLLM_TRIAL"
+
+_logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     """What the running vLLM provides. Built only by `capabilities_for` / `detect`.
 
-    Invariant: ``SUPPORTED[0] <= series <= SUPPORTED[1]``.
+    Invariant: ``SUPPORTED[0] <= series <= TRIAL``; a series after ``SUPPORTED[1]`` only on
+    trial (`capabilities_for`).
     """
 
     version: str
@@ -121,15 +136,31 @@ def parse_series(version: str) -> Series:
     return (release[0], release[1] if len(release) > 1 else 0)
 
 
-def capabilities_for(version: str) -> Capabilities:
-    """The capabilities of vLLM ``version``; `IntegrationError` if unsupported or unparsable."""
+def trial_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``KVCACHED_VLLM_TRIAL`` asks to accept a release on trial (a boolean switch,
+    parsed like every other: unset is no). A value that is not one is a `ConfigError` naming it."""
+    return parse_bool(TRIAL_ENV, (os.environ if environ is None else environ).get(TRIAL_ENV, "0"))
+
+
+def capabilities_for(version: str, trial: bool = False) -> Capabilities:
+    """The capabilities of vLLM ``version``; `IntegrationError` if unsupported or unparsable.
+
+    ``trial`` also accepts a series after `SUPPORTED` up to `TRIAL` (its rows read from the
+    wheel's source, its compat row not in yet), with a warning.
+    """
     series = parse_series(version)
     lo, hi = SUPPORTED
-    if not lo <= series <= hi:
+    on_trial = trial and hi < series <= TRIAL
+    if on_trial:
+        _logger.warning("kvcached: vLLM %s accepted on trial (%s=1): its capability rows are read from its "
+                        "wheel's source and its compat row is not in reports/compat/ yet", version, TRIAL_ENV)
+    elif not lo <= series <= hi:
         raise IntegrationError(
             f"vLLM {version} is not supported; kvcached supports vLLM {_range_text()}. A release is "
             f"supported once `nox -s compat -- {version}` has added its row to reports/compat/ and "
-            "kvcached/integration/vllm/capabilities.py its entry"
+            "kvcached/integration/vllm/capabilities.py its entry" + (
+                f"; its entry is drafted, so {TRIAL_ENV}=1 accepts it on trial, as that session does"
+                if hi < series <= TRIAL else "")
         )
     flags = {name: first <= series for name, first in _FIRST.items()}
     return Capabilities(version=version, series=series, **flags)
@@ -139,7 +170,7 @@ def detect() -> Capabilities:
     """The capabilities of the vLLM installed in this process (reads ``vllm.__version__``)."""
     import vllm
 
-    return capabilities_for(vllm.__version__)
+    return capabilities_for(vllm.__version__, trial=trial_requested())
 
 
 def vllm_version() -> str | None:
