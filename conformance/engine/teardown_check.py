@@ -11,18 +11,13 @@ import os
 import time
 from pathlib import Path
 
+from conformance.procfs import descriptors
 from conformance.results import TeardownFacts
 
 
 def kvcached_memfds() -> int:
     """This process's open descriptors on kvcached's memfds (its CPU KV ranges)."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:kvcached")
-        except OSError:
-            pass  # the listing's own descriptor, closed meanwhile
-    return count
+    return descriptors([os.getpid()])[1]
 
 
 #: How long the engine's processes may take to go after its shutdown returned: after an engine

@@ -48,6 +48,7 @@ from pathlib import Path
 from conformance.cases import ARCHETYPES
 from conformance.models import FIRST_FREE_TOKEN, VOCAB_SIZE, ensure_model
 from conformance.orchestrate.serve import Server, ServerError, ServerSpec, start_server, with_tokenizer
+from conformance.procfs import descriptors
 
 MiB = 1 << 20
 ENGINES = (("A", "llama"), ("B", "qwen3"))  # engine label -> archetype (two different models)
@@ -209,20 +210,7 @@ def open_descriptors(server: Server) -> tuple[int, int]:
     import psutil
 
     root = psutil.Process(server.proc.pid)
-    fds = memfds = 0
-    for proc in [root, *root.children(recursive=True)]:
-        folder = f"/proc/{proc.pid}/fd"
-        try:
-            entries = os.listdir(folder)
-        except OSError:
-            continue  # exited meanwhile
-        for fd in entries:
-            fds += 1
-            try:
-                memfds += os.readlink(f"{folder}/{fd}").startswith("/memfd:kvcached")
-            except OSError:
-                pass
-    return fds, memfds
+    return descriptors([root.pid, *(p.pid for p in root.children(recursive=True))])
 
 
 def settled_descriptors(server: Server, timeout_s: float = 10.0) -> tuple[int, int]:
