@@ -240,11 +240,15 @@ class CaseRunner:
             del handle
             gc.collect()
             emulated_faults.uninstall_copy_fault()
-            if case.fault.ends_in_engine_error:
+            if self._plans_engine_error(case):  # the reference runs without the plan: nothing to read
                 res.teardown = teardown_check.facts(knobs.record_path if knobs else None, memfds_before)
             res.t_total = round(time.monotonic() - t0, 3)
             write_atomic(out_json, res)
         return res.error
+
+    def _plans_engine_error(self, case: Case) -> bool:
+        """Only the candidate runs the fault plan, so only it can end in the planned engine error."""
+        return self.job.side == "candidate" and case.fault.ends_in_engine_error
 
     def _model(self, case: Case, res: CaseResult) -> Path:
         from conformance.models import ensure_model
@@ -404,7 +408,7 @@ class CaseRunner:
         rows: list[RequestRecord] = []
         times: list[float] = []
         corrupted: list[int] = []
-        expect_error = self.job.side == "candidate" and case.fault.ends_in_engine_error
+        expect_error = self._plans_engine_error(case)
         for pi, prompts in enumerate(workload.passes):
             if pi == 1 and self.job.side == "control" and case.control is Control.NEG_KV:
                 corrupted = handle.corrupt_prefix_blocks(workload.corrupt_prefix_tokens)
