@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvcached.errors import ConfigError, IntegrationError
+from kvcached.integration.vllm import capabilities
 from kvcached.integration.vllm.capabilities import (
     TRIAL_ENV,
     Capabilities,
@@ -82,8 +83,16 @@ def test_detect_reads_the_installed_vllm() -> None:
     assert caps == capabilities_for(vllm.__version__, trial=trial_requested()) and caps.series in {**ROWS, **TRIAL_ROWS}
 
 
+@pytest.fixture
+def range_to_0_30(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The supported range as it was before 0.31 and 0.32 had their compat rows: their
+    capability rows drafted from the wheels' source, the releases on trial only."""
+    monkeypatch.setattr(capabilities, "SUPPORTED", ((0, 26), (0, 30)))
+    monkeypatch.setattr(capabilities, "TRIAL", (0, 32))
+
+
 @pytest.mark.parametrize("version, series", [("0.31.0", (0, 31)), ("0.32.0", (0, 32)), ("0.32.1+cpu", (0, 32))])
-def test_drafted_releases_are_accepted_on_trial_only(version: str, series: tuple[int, int],
+def test_drafted_releases_are_accepted_on_trial_only(version: str, series: tuple[int, int], range_to_0_30: None,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     with pytest.raises(IntegrationError, match=rf"{TRIAL_ENV}=1 accepts it on trial"):
         capabilities_for(version)
@@ -94,7 +103,7 @@ def test_drafted_releases_are_accepted_on_trial_only(version: str, series: tuple
 
 
 @pytest.mark.parametrize("version", ["0.33.0", "0.25.2", "1.0.0"])
-def test_trial_does_not_widen_past_the_drafted_rows(version: str) -> None:
+def test_trial_does_not_widen_past_the_drafted_rows(version: str, range_to_0_30: None) -> None:
     with pytest.raises(IntegrationError, match="is not supported") as info:
         capabilities_for(version, trial=True)
     assert "on trial" not in str(info.value)
