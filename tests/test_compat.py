@@ -26,11 +26,16 @@ def test_each_comparison_gets_its_outcome_and_reason(tmp_path: Path) -> None:
         {"case_id": "b", "verdict": "MISMATCH", "passed": False, "problems": "token mismatch in 2 request(s)"},
         {"case_id": "c", "verdict": "error", "passed": False, "problems": REFUSAL},
         {"case_id": "d", "verdict": "error", "passed": False, "problems": "candidate error: RuntimeError: boom"},
+        {"case_id": "e", "verdict": "error", "passed": False,
+         "problems": "reference error: IndexError: index 6 is out of bounds; other error: not run"},
+        {"case_id": "f", "verdict": "error", "passed": False,
+         "problems": "other error: RuntimeError: boom; reference error: IndexError: late"},
         {"case_id": "ctl", "control": "baseline"},
     ])
     rows, controls_ok = compat.rows_from_cases("0.30.0", csv)
     assert [(r.case_id, r.outcome) for r in rows] == [("a", "exact"), ("b", "mismatch"), ("c", "unsupported"),
-                                                      ("d", "error")]
+                                                      ("d", "error"), ("e", "native-error"), ("f", "error")]
+    assert "IndexError" in rows[4].reason
     assert rows[0].reason == "" and "token mismatch" in rows[1].reason and "0.26 to 0.32" in rows[2].reason
     assert controls_ok
     csv = _cases(tmp_path / "bad.csv", [{"case_id": "a"}, {"case_id": "ctl", "control": "neg-kv", "passed": False,
@@ -76,6 +81,10 @@ def test_the_report_round_trips_and_names_every_failure(tmp_path: Path) -> None:
     assert loaded == [good, bad, refused]  # JSON round trip, in release order
     assert [compat.version_verdict(v) for v in loaded] == ["supported: exact", "broken", "refused at start-up"]
     assert compat.version_verdict(_version("0.30.0", ["exact"] * 4, tests_failed=1)) == "broken"
+    # A case native vLLM fails alone is counted, not blamed; kvcached must be exact on the rest.
+    assert compat.version_verdict(_version("0.32.0", ["exact", "native-error"])) == (
+        "supported: exact (1 case(s) native vLLM fails alone)")
+    assert compat.version_verdict(_version("0.32.0", ["native-error", "mismatch"])) == "broken"
     text = compat.render(loaded, tmp_path).read_text()
     assert "| 0.30.0 | supported: exact" in text and "mismatch (1/2)" in text and "unsupported (0/1)" in text
     assert "`llama-async-1` (mismatch): why" in text and "0.26 stays at contract level" in text

@@ -11,7 +11,8 @@ function of typed data:
 3. `rows_from_cases`: one `CompatRow` per kvcached case: archetype x scheduler x engine layout
    (x the case's pattern and plan) -> ``exact`` / ``mismatch`` / ``unsupported`` / ``error``,
    with the reason for every failure (kvcached's refusal names the symbol and the file of a
-   seam that moved);
+   seam that moved), or ``native-error`` where native vLLM of that release fails the case
+   on its own (nothing to compare kvcached with; its error is the reason);
 4. `write_version` stores ``reports/compat/rows/<version>.json``; `render` rebuilds
    ``reports/compat/README.md`` from every stored version (a pandas pivot).
 
@@ -41,9 +42,12 @@ from kvcached.integration.vllm.capabilities import SUPPORTED, TRIAL, TRIAL_ENV, 
 
 ROOT = Path(__file__).resolve().parents[2]
 REPORT_DIR = ROOT / "reports" / "compat"
-Outcome = Literal["exact", "mismatch", "unsupported", "error"]
+Outcome = Literal["exact", "native-error", "mismatch", "unsupported", "error"]
+OUTCOMES: tuple[str, ...] = ("exact", "native-error", "mismatch", "unsupported", "error")
 #: What a kvcached refusal of a release or of a moved seam says (`kvcached.errors.IntegrationError`).
 _REFUSAL = re.compile(r"IntegrationError|is not supported|kvcached supports vLLM")
+#: The comparator's first problem when the native reference failed (then kvcached is not run).
+_NATIVE_FAILED = re.compile(r"^reference error: ")
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,8 @@ def classify(passed: bool, verdict: str, problems: str) -> tuple[Outcome, str]:
     reason = problems.strip() or verdict
     if verdict == "MISMATCH":
         return "mismatch", reason
+    if _NATIVE_FAILED.match(problems.strip()):
+        return "native-error", reason
     return ("unsupported" if _REFUSAL.search(problems) else "error"), reason
 
 
@@ -189,9 +195,12 @@ def load_versions(out_dir: Path = REPORT_DIR) -> list[VersionResult]:
 
 
 def version_verdict(v: VersionResult) -> str:
+    """``supported: exact`` when every comparison native could run is exact (the cases native
+    fails alone are counted beside it), the vLLM tests passed and the controls held."""
     outcomes = {r.outcome for r in v.rows}
-    if outcomes == {"exact"} and v.tests.ok and v.controls_ok:
-        return "supported: exact"
+    native_failed = sum(r.outcome == "native-error" for r in v.rows)
+    if outcomes - {"native-error"} == {"exact"} and v.tests.ok and v.controls_ok:
+        return "supported: exact" + (f" ({native_failed} case(s) native vLLM fails alone)" if native_failed else "")
     if outcomes == {"unsupported"}:
         return "refused at start-up"
     return "broken"
@@ -213,14 +222,16 @@ def render(versions: Sequence[VersionResult], out_dir: Path = REPORT_DIR) -> Pat
     summary = pd.DataFrame([{
         "vLLM": v.version, "verdict": version_verdict(v), "date": v.date[:10], "python": v.python, "torch": v.torch,
         "vLLM tests": f"{v.tests.passed} passed, {v.tests.failed} failed, {v.tests.skipped} skipped",
-        **{o: sum(r.outcome == o for r in v.rows) for o in ("exact", "mismatch", "unsupported", "error")},
+        **{o: sum(r.outcome == o for r in v.rows) for o in OUTCOMES},
         "controls": "held" if v.controls_ok else "FAILED",
         "admitted": "on trial" if v.trial else "in range",
     } for v in versions])
     lines += ["## Releases", "", summary.to_markdown(index=False) if len(summary) else "(none yet)", ""]
     if versions:
         lines += ["## Outcome per archetype, scheduler and layout", "",
-                  "Each cell: the worst outcome of that combination's comparisons (exact ones / all).", "",
+                  ("Each cell: the worst outcome of that combination's comparisons (exact ones / all). "
+                   "*native-error*: native vLLM of that release fails the case on its own, so kvcached "
+                   "has nothing to be compared with there (the reason below is native's error)."), "",
                   _pivot(versions).to_markdown(index=False), ""]
     lines += ["## Reasons", ""]
     for v in versions:
@@ -236,7 +247,7 @@ def render(versions: Sequence[VersionResult], out_dir: Path = REPORT_DIR) -> Pat
     return path
 
 
-_RANK = {"exact": 0, "unsupported": 1, "mismatch": 2, "error": 3}
+_RANK = {"exact": 0, "native-error": 1, "unsupported": 2, "mismatch": 3, "error": 4}
 
 
 def _pivot(versions: Sequence[VersionResult]) -> Any:
