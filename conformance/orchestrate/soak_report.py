@@ -24,32 +24,45 @@ KVCACHED_OUT = Path("reports/soak")
 
 
 def plot(result: SoakResult, path: Path) -> None:
+    """RSS, kvcached's mapped bytes (a kvcached soak only) and descriptors over time, the
+    baseline and end marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    native = result.plan.candidate == "native"
     t = [s.t for s in result.samples]
-    fig, axes = plt.subplots(3, 1, figsize=(9, 7), sharex=True)
     panels = [("RSS, server processes (MiB)", [s.rss / MiB for s in result.samples]),
-              ("kvcached mapped KV (MiB)", [s.mapped / MiB for s in result.samples]),
               ("open descriptors", [s.fds for s in result.samples])]
-    if result.plan.candidate == "native":
-        panels[1] = ("native: no mapped-bytes reading", [0.0 for _ in result.samples])
+    if not native:
+        panels.insert(1, ("kvcached mapped KV (MiB)", [s.mapped / MiB for s in result.samples]))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.4 * len(panels)), sharex=True)
     for ax, (label, ys) in zip(axes, panels, strict=True):
         ax.plot(t, ys, lw=1.2)
         ax.set_ylabel(label, fontsize=8)
-        for x, name in ((result.warmup_end_s, "baseline (idle)"), (result.traffic_end_s, "end (idle)")):
+        for x in (result.warmup_end_s, result.traffic_end_s):  # the baseline and the end (both idle)
             ax.axvline(x, color="grey", ls="--", lw=0.8)
         ax.grid(alpha=0.3)
-    axes[0].set_title(f"churn soak ({result.plan.candidate}): {result.sent} requests ({result.aborted} aborted by their clients), "
-                      f"{result.preemptions} preemptions", fontsize=9)
-    axes[2].plot(t, [s.memfds for s in result.samples], lw=1.0, label="kvcached memfds")
-    axes[2].legend(fontsize=7)
-    axes[2].set_xlabel("seconds")
+    axes[0].set_title(f"churn soak ({'native control' if native else 'kvcached'}): {result.sent} requests "
+                      f"({result.aborted} aborted by their clients), {result.preemptions} preemptions", fontsize=9)
+    if not native:
+        axes[-1].plot(t, [s.memfds for s in result.samples], lw=1.0, label="kvcached memfds")
+        axes[-1].legend(fontsize=7)
+    axes[-1].set_xlabel("seconds")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def load_for_plot(path: Path) -> SoakResult:
+    """A saved result (`to_json`) with what `plot` reads: the plan, the samples and the marks."""
+    from conformance.orchestrate.soak import Sample
+
+    data = json.loads(path.read_text())
+    return SoakResult(SoakPlan(**data["plan"]), samples=[Sample(**x) for x in data["samples"]],
+                      warmup_end_s=data["warmup_end_s"], traffic_end_s=data["traffic_end_s"],
+                      sent=data["sent"], aborted=data["aborted"], preemptions=data["preemptions"])
 
 
 def _rate(differ: int, completed: int) -> str:
@@ -120,7 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--candidate", choices=CANDIDATES, default="kvcached",
                     help="the soaked server; 'native' is the control (default kvcached)")
     ap.add_argument("--out", type=Path, help="default reports/soak, or reports/soak/native-control")
+    ap.add_argument("--replot", action="store_true",
+                    help="redraw soak.png from the result.json in --out, running nothing")
     args = ap.parse_args(argv)
+    if args.replot:
+        out = args.out or (KVCACHED_OUT / "native-control" if args.candidate == "native" else KVCACHED_OUT)
+        plot(load_for_plot(out / "result.json"), out / "soak.png")
+        return 0
     if not 10 <= args.duration <= 7200 or not 1 <= args.clients <= 64:
         ap.error("--duration must be within [10, 7200] s and --clients within [1, 64]")
     args.out = args.out or (KVCACHED_OUT / "native-control" if args.candidate == "native" else KVCACHED_OUT)
