@@ -54,3 +54,21 @@ def test_the_native_control_has_only_the_checks_that_can_fail_on_native(tmp_path
     text = render(result, "cmd", kvcached)
     assert "| kvcached (" in text and "1 of 100 (1.000%)" in text and "2 of 50 (4.000%)" in text
     assert "native control: FAIL" in text and "kvcached mapped" not in text
+
+
+@pytest.mark.parametrize("candidate", ["kvcached", "native"])
+def test_a_saved_soak_is_redrawn(tmp_path: Path, candidate: str) -> None:
+    import json
+
+    from conformance.orchestrate.soak import to_json
+    from conformance.orchestrate.soak_report import load_for_plot, plot
+
+    base = Sample(t=1.0, rss=1000 << 20, fds=100, memfds=2, mapped=10 << 16)
+    result = SoakResult(SoakPlan(candidate=candidate), samples=[base, dataclasses.replace(base, t=2.0)],
+                        baseline=base, end=base, warmup_end_s=1.0, traffic_end_s=2.0, sent=3, aborted=1,
+                        preemptions=1)
+    (tmp_path / "result.json").write_text(json.dumps(to_json(result)))
+    loaded = load_for_plot(tmp_path / "result.json")
+    assert (loaded.plan, loaded.samples, loaded.sent) == (result.plan, result.samples, 3)
+    plot(loaded, tmp_path / "soak.png")
+    assert (tmp_path / "soak.png").stat().st_size > 10_000
