@@ -38,6 +38,12 @@ series  attention blocks    causal conv, float32  Mamba with prefix        where
   (``ops/cpu/causal_conv1d.py``: ``.item()`` on a 2-D index); 0.28 and 0.29 default to
   ``"align"``. Passing ``"align"`` on 0.27 runs the mode the other series run by default.
 
+Native defects (`NATIVE_DEFECTS`): where native vLLM's CPU path fails a case on its own on
+some series, by the exception and the function that raises it. 0.32: Mamba prefix caching
+crashes in ``MambaMixer2.conv_ssm_forward`` (the CPU SSD kernel ignores
+``return_intermediate_states``). A test sets such a case aside only when both sides raise
+exactly that.
+
 Every adjustment raises a setting to the nearest one the kernels accept; on 0.28 (CI) the
 table changes nothing, so the 0.28 suite runs exactly the settings it names. The running
 series is read from ``vllm.__version__`` (imported lazily: the harness parent and
@@ -172,3 +178,50 @@ def engine_overrides(model: str, kwargs: Mapping[str, Any], limits: CpuKernelLim
 def adjusted(model: str, kwargs: Mapping[str, Any], limits: CpuKernelLimits | None = None) -> dict[str, Any]:
     """``kwargs`` with `engine_overrides` applied."""
     return {**kwargs, **engine_overrides(model, kwargs, limits)}
+
+
+# ---- native defects -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NativeDefect:
+    """A failure of native vLLM's CPU path on its own, identified by where it raises.
+
+    A test may set a case aside only when *both* sides raise exactly this (same exception
+    text shape, same innermost function) on a series in ``first..last``: then there is
+    nothing to compare kvcached with. Any other error stays a failure.
+    """
+
+    first: Series
+    last: Series
+    function: str  # the innermost frame's function name
+    where: str  # file and qualified name, for the reason
+    why: str
+    signature: str  # regex on "ExceptionType: message"
+
+    def matches(self, series: Series, error: str, function: str) -> bool:
+        import re
+
+        return self.first <= series <= self.last and function == self.function and bool(
+            re.fullmatch(self.signature, error))
+
+    def reason(self, version: str) -> str:
+        return f"native vLLM {version} fails here on its own, in {self.where}: {self.why}"
+
+
+NATIVE_DEFECTS: tuple[NativeDefect, ...] = (
+    NativeDefect(
+        (0, 32), (0, 32), "conv_ssm_forward",
+        "vllm/model_executor/layers/mamba/mamba_mixer2.py, MambaMixer2.conv_ssm_forward",
+        ("with Mamba prefix caching 0.32 stores prefill checkpoints and indexes the SSM states by "
+         "chunk (varlen_states[last_chunk_indices_p]), but the CPU kernel "
+         "(ops/cpu/mamba_ssm.py, _mamba_chunk_scan_combined_fwd_cpu) ignores "
+         "return_intermediate_states and returns one state per request"),
+        r"IndexError: index \d+ is out of bounds for dimension 0 with size \d+",
+    ),
+)
+
+
+def native_defect(version: str, error: str, function: str) -> NativeDefect | None:
+    """The known native defect that ``error`` (``"Type: message"``, raised in ``function``)
+    is on vLLM ``version``, or None."""
+    series = series_of(version)
+    return next((d for d in NATIVE_DEFECTS if d.matches(series, error, function)), None)

@@ -112,3 +112,15 @@ def test_installed_series_is_vllms() -> None:
 
     assert vs.installed_version() == vllm.__version__
     assert vs.cpu_kernel_limits().series == parse_series(vllm.__version__)
+
+
+def test_a_native_defect_is_named_only_where_and_as_it_raises() -> None:
+    err = "IndexError: index 3 is out of bounds for dimension 0 with size 3"
+    defect = vs.native_defect("0.32.0", err, "conv_ssm_forward")
+    assert defect is not None and "conv_ssm_forward" in defect.reason("0.32.0")
+    assert "return_intermediate_states" in defect.reason("0.32.0")
+    # Another series, another function, another error: not that defect (a real failure).
+    assert vs.native_defect("0.31.0", err, "conv_ssm_forward") is None
+    assert vs.native_defect("0.32.0", err, "forward") is None
+    assert vs.native_defect("0.32.0", "IndexError: list index out of range", "conv_ssm_forward") is None
+    assert vs.native_defect("0.32.0", "RuntimeError: " + err, "conv_ssm_forward") is None
