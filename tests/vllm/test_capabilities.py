@@ -27,8 +27,6 @@ ROWS: dict[tuple[int, int], dict[str, object]] = {  # from the contract notes an
     (0, 28): {**_BASE, "allocate_kv_cache": False},
     (0, 29): _BASE,
     (0, 30): {**_BASE, "cpu_warmup_decision": True},
-}
-TRIAL_ROWS: dict[tuple[int, int], dict[str, object]] = {  # drafted from the wheels' source
     (0, 31): {**_BASE, "cpu_warmup_decision": True},
     (0, 32): {**_BASE, "cpu_warmup_decision": True, "request_memory_external": True},
 }
@@ -36,7 +34,7 @@ TRIAL_ROWS: dict[tuple[int, int], dict[str, object]] = {  # drafted from the whe
 
 @pytest.mark.parametrize("version, series", [
     ("0.26.0", (0, 26)), ("0.27.0", (0, 27)), ("0.27.1", (0, 27)), ("0.28.0", (0, 28)),
-    ("0.29.0", (0, 29)), ("0.30.0", (0, 30)), ("0.28.0+cpu", (0, 28)), ("0.28.0+cu129", (0, 28)),
+    ("0.29.0", (0, 29)), ("0.30.0", (0, 30)), ("0.31.0", (0, 31)), ("0.32.0", (0, 32)), ("0.28.0+cpu", (0, 28)), ("0.28.0+cu129", (0, 28)),
     ("0.28.0.post1", (0, 28)), ("0.28.2", (0, 28)), ("0.28", (0, 28)), (" 0.26.0 ", (0, 26)),
 ])
 def test_supported_versions(version: str, series: tuple[int, int]) -> None:
@@ -46,9 +44,9 @@ def test_supported_versions(version: str, series: tuple[int, int]) -> None:
             if f.name not in ("version", "series")} == ROWS[series]
 
 
-@pytest.mark.parametrize("version", ["0.25.2", "0.23.0", "0.9.2", "0.31.0", "0.32.0", "1.0.0", "0.33.0+cpu", "2"])
+@pytest.mark.parametrize("version", ["0.25.2", "0.23.0", "0.9.2", "0.33.0", "1.0.0", "0.33.0+cpu", "2"])
 def test_unsupported_versions_name_the_supported_range(version: str) -> None:
-    with pytest.raises(IntegrationError, match=r"supports vLLM 0\.26 to 0\.30\. .*nox -s compat -- "):
+    with pytest.raises(IntegrationError, match=r"supports vLLM 0\.26 to 0\.32\. .*nox -s compat -- "):
         capabilities_for(version)
 
 
@@ -80,7 +78,7 @@ def test_detect_reads_the_installed_vllm() -> None:
 
     caps = detect()
     assert isinstance(caps, Capabilities) and caps.version == vllm.__version__
-    assert caps == capabilities_for(vllm.__version__, trial=trial_requested()) and caps.series in {**ROWS, **TRIAL_ROWS}
+    assert caps == capabilities_for(vllm.__version__, trial=trial_requested()) and caps.series in ROWS
 
 
 @pytest.fixture
@@ -98,7 +96,7 @@ def test_drafted_releases_are_accepted_on_trial_only(version: str, series: tuple
         capabilities_for(version)
     caps = capabilities_for(version, trial=True)
     assert caps.series == series and {f.name: getattr(caps, f.name) for f in dataclasses.fields(caps)
-                                      if f.name not in ("version", "series")} == TRIAL_ROWS[series]
+                                      if f.name not in ("version", "series")} == ROWS[series]
     assert "accepted on trial" in caplog.text
 
 

@@ -10,7 +10,7 @@ Rows (first vLLM minor series that has the behaviour; the contract notes in
 ========================  ===========  ==================================================
 field                     series       meaning
 ========================  ===========  ==================================================
-(supported range)         0.26-0.30    the native ``BlockPool`` contract `ElasticBlockPool`
+(supported range)         0.26-0.32    the native ``BlockPool`` contract `ElasticBlockPool`
                                        subclasses (constructor, hash hooks, free queue:
                                        with caching on, ``free_blocks`` queues unhashed
                                        blocks first and hashed ones last in every series)
@@ -25,9 +25,7 @@ cpu_warmup_decision       0.30+        ``CPUWorker._should_warm_up_model()`` dec
                                        model up (eager mode with an explicit KV size: no)
 request_memory_external   0.32+        ``request_memory(init_snapshot, cache_config,
                                        external_weight_memory)``: the share excludes
-                                       weights held outside the process (read from the
-                                       0.32 wheel; 0.31 and 0.32 enter the range when
-                                       their compat rows are in)
+                                       weights held outside the process
 ========================  ===========  ==================================================
 
 Also from 0.30: ``BlockPool`` gains ``unpin_blocks``, reuse watchers and frees routed to
@@ -69,8 +67,9 @@ from kvcached.errors import IntegrationError
 Series = tuple[int, int]
 
 #: Supported vLLM minor series, inclusive. This is the native-pool compatibility range.
-SUPPORTED: tuple[Series, Series] = ((0, 26), (0, 30))
-#: The newest series whose rows below were read from its wheel's source: accepted on trial only.
+SUPPORTED: tuple[Series, Series] = ((0, 26), (0, 32))
+#: The newest series the rows below describe; one after `SUPPORTED` is accepted on trial only
+#: (none now: 0.31 and 0.32 entered the range with their compat rows).
 TRIAL: Series = (0, 32)
 #: ``1`` accepts a release on trial (the compat session sets it); unset or ``0``: refused.
 TRIAL_ENV = "KVCACHED_VLLM_TRIAL"
