@@ -85,6 +85,8 @@ def test_the_report_round_trips_and_names_every_failure(tmp_path: Path) -> None:
     assert compat.version_verdict(_version("0.32.0", ["exact", "native-error"])) == (
         "supported: exact (1 case(s) native vLLM fails alone)")
     assert compat.version_verdict(_version("0.32.0", ["native-error", "mismatch"])) == "broken"
+    text = compat.render([_version("0.32.0", ["exact", "native-error"])], tmp_path).read_text()
+    assert "**0.32.0**: 0 failing comparison(s), 1 native vLLM fails alone:" in text
     text = compat.render(loaded, tmp_path).read_text()
     assert "| 0.30.0 | supported: exact" in text and "mismatch (1/2)" in text and "unsupported (0/1)" in text
     assert "`llama-async-1` (mismatch): why" in text and "0.26 stays at contract level" in text

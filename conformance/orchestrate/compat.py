@@ -236,7 +236,9 @@ def render(versions: Sequence[VersionResult], out_dir: Path = REPORT_DIR) -> Pat
     lines += ["## Reasons", ""]
     for v in versions:
         bad = [r for r in v.rows if r.outcome != "exact"]
-        lines += [f"* **{v.version}**: {len(bad)} failing comparison(s)" + (":" if bad else ".")]
+        native = sum(r.outcome == "native-error" for r in bad)
+        counts = f"{len(bad) - native} failing comparison(s)" + (f", {native} native vLLM fails alone" if native else "")
+        lines += [f"* **{v.version}**: {counts}" + (":" if bad or v.tests.failures else ".")]
         lines += [f"  * `{r.case_id}` ({r.outcome}): {r.reason}" for r in bad]
         lines += [f"  * test `{f}`" for f in v.tests.failures]
     lines += ["", "## Commands", ""]
