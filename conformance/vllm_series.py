@@ -55,6 +55,7 @@ reads no adapter internals.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -198,8 +199,6 @@ class NativeDefect:
     signature: str  # regex on "ExceptionType: message"
 
     def matches(self, series: Series, error: str, function: str) -> bool:
-        import re
-
         return self.first <= series <= self.last and function == self.function and bool(
             re.fullmatch(self.signature, error))
 

@@ -36,14 +36,14 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from kvcached.integration.vllm.capabilities import SUPPORTED, TRIAL, TRIAL_ENV, parse_series
 
 ROOT = Path(__file__).resolve().parents[2]
 REPORT_DIR = ROOT / "reports" / "compat"
 Outcome = Literal["exact", "native-error", "mismatch", "unsupported", "error"]
-OUTCOMES: tuple[str, ...] = ("exact", "native-error", "mismatch", "unsupported", "error")
+OUTCOMES: tuple[str, ...] = get_args(Outcome)
 #: What a kvcached refusal of a release or of a moved seam says (`kvcached.errors.IntegrationError`).
 _REFUSAL = re.compile(r"IntegrationError|is not supported|kvcached supports vLLM")
 #: The comparator's first problem when the native reference failed (then kvcached is not run).

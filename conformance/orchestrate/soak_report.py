@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from conformance.orchestrate.sharing import TIE
-from conformance.orchestrate.soak import CANDIDATES, SoakPlan, SoakResult, run, to_json
+from conformance.orchestrate.soak import CANDIDATES, Sample, SoakPlan, SoakResult, run, to_json
 
 MiB = 1 << 20
 KVCACHED_OUT = Path("reports/soak")
@@ -57,8 +57,6 @@ def plot(result: SoakResult, path: Path) -> None:
 
 def load_for_plot(path: Path) -> SoakResult:
     """A saved result (`to_json`) with what `plot` reads: the plan, the samples and the marks."""
-    from conformance.orchestrate.soak import Sample
-
     data = json.loads(path.read_text())
     return SoakResult(SoakPlan(**data["plan"]), samples=[Sample(**x) for x in data["samples"]],
                       warmup_end_s=data["warmup_end_s"], traffic_end_s=data["traffic_end_s"],
@@ -136,13 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replot", action="store_true",
                     help="redraw soak.png from the result.json in --out, running nothing")
     args = ap.parse_args(argv)
+    args.out = args.out or (KVCACHED_OUT / "native-control" if args.candidate == "native" else KVCACHED_OUT)
     if args.replot:
-        out = args.out or (KVCACHED_OUT / "native-control" if args.candidate == "native" else KVCACHED_OUT)
-        plot(load_for_plot(out / "result.json"), out / "soak.png")
+        plot(load_for_plot(args.out / "result.json"), args.out / "soak.png")
         return 0
     if not 10 <= args.duration <= 7200 or not 1 <= args.clients <= 64:
         ap.error("--duration must be within [10, 7200] s and --clients within [1, 64]")
-    args.out = args.out or (KVCACHED_OUT / "native-control" if args.candidate == "native" else KVCACHED_OUT)
     plan = SoakPlan(duration_s=args.duration, clients=args.clients, candidate=args.candidate)
     with tempfile.TemporaryDirectory(prefix="kvcached-soak-") as work:
         result = run(plan, Path(work))
