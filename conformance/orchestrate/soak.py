@@ -13,22 +13,30 @@ same idle point again: the *end*. Every second a sampler reads the server's proc
 (RSS, open descriptors, kvcached's memfds) and kvcached's mapped bytes (the engine's charge
 in its budget record). The soak holds when, at the end against the baseline: RSS within 5%,
 and mapped bytes, descriptors and memfds equal. Every request that completed is then sent
-to a native server, with the logprob margins of its greedy tokens: a kvcached token that
-differs must sit at a native near-tie (margin below `sharing.TIE`), as concurrency changes
-batch shapes and CPU kernels round by batch shape.
+to a native server, with the logprob margins of its greedy tokens.
+
+A differing token is *retried* on native: the request runs again ``retrials`` times, each
+time beside a different mix of other soak requests arriving at random moments (concurrency
+changes batch shapes, and CPU kernels round by batch shape). A difference is explained only
+when native itself, in one of those runs, chooses the soaked token at the first differing
+position; its margin is reported beside it. Every run also plants one difference of its own
+(a native output with one token changed where native's margin is ordinary) and retries it
+the same way: it must be caught, which shows the comparison and the retrial can fail.
 
 The *native control* (``candidate="native"``) soaks a native server the same way and replays
-its requests against a second native server. Its near-tie differences are the rate native
+its requests against a second native server. Its differences are the rate native
 batching alone gives, against which kvcached's soak is read; the kvcached-only checks (mapped
 bytes, memfds) do not apply to it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,9 +44,11 @@ from pathlib import Path
 from conformance.cases import ARCHETYPES
 from conformance.models import FIRST_FREE_TOKEN, VOCAB_SIZE, ensure_model
 from conformance.orchestrate.serve import Server, ServerError, ServerSpec, serving, with_tokenizer
-from conformance.orchestrate.sharing import TIE, differences, open_descriptors, settled_descriptors
+from conformance.orchestrate.sharing import open_descriptors, settled_descriptors
 
 RSS_TOLERANCE = 0.05
+MAX_RETRIED = 20  # differences retried on native; any beyond stay unexplained
+PLANTED_MARGIN = 0.05  # the planted difference sits where native's margin is at least this
 CANDIDATES = ("kvcached", "native")
 
 
@@ -52,10 +62,13 @@ class SoakPlan:
     max_model_len: int = 512
     page_size: int = 64 << 10
     candidate: str = "kvcached"  # the soaked server; "native" is the control
+    retrials: int = 24  # native reruns of each differing request (and of the planted one)
 
     def __post_init__(self) -> None:
         if self.candidate not in CANDIDATES:
             raise ValueError(f"SoakPlan.candidate={self.candidate!r}: not one of {CANDIDATES}")
+        if self.retrials < 1:
+            raise ValueError(f"SoakPlan.retrials={self.retrials}: must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -64,6 +77,26 @@ class Request:
     prompt: list[int]
     max_tokens: int
     abort_after_s: float | None  # None: runs to the end
+
+
+@dataclass(frozen=True)
+class Difference:
+    """A completed request whose soaked tokens differ from native's replay, and what the
+    retrial on native found."""
+
+    position: int  # in `SoakResult.completed`
+    request: int  # `Request.index`
+    first: int  # the first differing token; -1: the soaked side gave another length
+    soaked_token: int
+    native_token: int
+    margin: float  # native's logprob margin at `first` (-1 with it)
+    retrials: int = 0
+    reproduced: int = 0  # retrials in which native chose `soaked_token` at `first`
+
+    @property
+    def explained(self) -> bool:
+        """Native itself gives the soaked token there, in some batch mix."""
+        return self.reproduced > 0
 
 
 @dataclass
@@ -87,12 +120,17 @@ class SoakResult:
     aborted: int = 0
     completed: list[tuple[Request, list[int]]] = field(default_factory=list)
     preemptions: int = 0
-    mismatches: list[int] = field(default_factory=list)  # completed-request positions
-    mismatch_margins: list[float] = field(default_factory=list)
+    differences: list[Difference] = field(default_factory=list)
+    planted: Difference | None = None  # the negative control: must stay unexplained
+
+    @property
+    def mismatches(self) -> list[int]:
+        """Positions (in ``completed``) of the requests that differ."""
+        return [d.position for d in self.differences]
 
     @property
     def unexplained(self) -> list[int]:
-        return [i for i, m in zip(self.mismatches, self.mismatch_margins, strict=True) if not 0 <= m < TIE]
+        return [d.position for d in self.differences if not d.explained]
 
     def checks(self) -> dict[str, bool]:
         """What must hold at the end; mapped bytes and memfds are kvcached's, so a native
@@ -106,7 +144,8 @@ class SoakResult:
             "memfds back to the baseline": e.memfds == b.memfds,
             "requests aborted by their clients": self.aborted > 0,
             "vLLM preempted": self.preemptions > 0,
-            "no token difference beyond a native near-tie": not self.unexplained,
+            "every token difference is one native also gives": not self.unexplained,
+            "the planted difference is caught": self.planted is not None and not self.planted.explained,
         }
         if self.plan.candidate == "native":
             del checks["mapped bytes back to the baseline"], checks["memfds back to the baseline"]
@@ -256,13 +295,75 @@ def soaked_side(plan: SoakPlan, work: Path, result: SoakResult) -> None:
 
 
 def native_side(plan: SoakPlan, work: Path, result: SoakResult) -> None:
-    """The completed requests on a native server, with the margins of its greedy tokens."""
+    """The completed requests on a native server, with the margins of its greedy tokens; each
+    difference, and the planted one, retried there."""
     spec = ServerSpec("soak-native", False)
     with serving(spec, _model(work), work / "logs", max_model_len=plan.max_model_len,
                  kv_cache_bytes=plan.kv_bytes) as server, ThreadPoolExecutor(max_workers=plan.clients) as pool:
         ref = list(pool.map(lambda c: server.complete_with_margins(c[0].prompt, c[0].max_tokens, 300.0),
                             result.completed))
-    result.mismatches, result.mismatch_margins = differences([t for _, t in result.completed], ref)
+        found = find_differences(result.completed, ref)
+        rng = random.Random(plan.seed)
+        result.differences = [retry(server, result.completed, d, plan, rng) if i < MAX_RETRIED else d
+                              for i, d in enumerate(found)]
+        result.planted = retry(server, result.completed, plant(result.completed, ref, rng), plan, rng)
+
+
+def find_differences(completed: Sequence[tuple[Request, list[int]]],
+                     ref: Sequence[tuple[list[int], list[float]]]) -> list[Difference]:
+    """Requests whose soaked tokens differ from native's, each at its first differing token."""
+    if len(completed) != len(ref):
+        raise ServerError(f"{len(completed)} results against {len(ref)} references")
+    out = []
+    for pos, ((req, got), (want, margins)) in enumerate(zip(completed, ref, strict=True)):
+        if got == want:
+            continue
+        if len(got) != len(want):
+            out.append(Difference(pos, req.index, -1, -1, -1, -1.0))
+            continue
+        first = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+        out.append(Difference(pos, req.index, first, got[first], want[first], round(margins[first], 8)))
+    return out
+
+
+def plant(completed: Sequence[tuple[Request, list[int]]], ref: Sequence[tuple[list[int], list[float]]],
+          rng: random.Random) -> Difference:
+    """A difference native does not give: a native output with one token replaced by a random
+    other one, where native's margin is at least `PLANTED_MARGIN` (no batch mix flips that)."""
+    span = VOCAB_SIZE - FIRST_FREE_TOKEN
+    for pos, ((req, _), (want, margins)) in enumerate(zip(completed, ref, strict=True)):
+        at = next((i for i, m in enumerate(margins) if m >= PLANTED_MARGIN), None)
+        if at is None:
+            continue
+        other = FIRST_FREE_TOKEN + (want[at] - FIRST_FREE_TOKEN + rng.randrange(1, span)) % span
+        [found] = find_differences([(req, want[:at] + [other] + want[at + 1:])], [(want, margins)])
+        return dataclasses.replace(found, position=pos)
+    raise ServerError(f"no completed request has a token with a native margin of {PLANTED_MARGIN} or more")
+
+
+def retry(server: Server, completed: Sequence[tuple[Request, list[int]]], d: Difference, plan: SoakPlan,
+          rng: random.Random) -> Difference:
+    """Run the request of ``d`` on native ``plan.retrials`` times, the i-th beside ``i mod clients``
+    other completed requests, each of them sent after a random delay of up to 0.3 s, so that
+    the request meets other batch shapes each time; count the runs that choose the soaked token."""
+    if d.first < 0:
+        return d
+    target = completed[d.position][0]
+    others = [r for r, _ in completed if r.index != target.index]
+    hits = 0
+    for i in range(plan.retrials):
+        mix = rng.sample(others, min(i % plan.clients, len(others)))
+        jobs = [(target.prompt, d.first + 1)] + [(r.prompt, r.max_tokens) for r in mix]
+        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            runs = [pool.submit(_delayed, server, prompt, n, rng.uniform(0.0, 0.3)) for prompt, n in jobs]
+            outputs = [f.result() for f in runs]  # every one: a failed companion is an error too
+        hits += outputs[0][d.first] == d.soaked_token
+    return dataclasses.replace(d, retrials=plan.retrials, reproduced=hits)
+
+
+def _delayed(server: Server, prompt: Sequence[int], max_tokens: int, delay_s: float) -> list[int]:
+    time.sleep(delay_s)
+    return server.complete(prompt, max_tokens, timeout_s=300.0)
 
 
 def run(plan: SoakPlan, work: Path) -> SoakResult:
@@ -275,6 +376,7 @@ def run(plan: SoakPlan, work: Path) -> SoakResult:
 def to_json(result: SoakResult) -> dict:
     out = asdict(result)
     out["completed"] = len(result.completed)
+    out["mismatches"] = result.mismatches
     out["unexplained"] = result.unexplained
     out["checks"] = result.checks()
     return out

@@ -5,24 +5,38 @@ negative controls show each comparison can fail."""
 from __future__ import annotations
 
 import dataclasses
+import random
 from pathlib import Path
 
 import pytest
 
-from conformance.orchestrate.soak import Sample, SoakPlan, SoakResult, run
+from conformance.orchestrate.soak import (
+    PLANTED_MARGIN,
+    Difference,
+    Request,
+    Sample,
+    SoakPlan,
+    SoakResult,
+    find_differences,
+    plant,
+    run,
+)
 
 
 @pytest.mark.multiprocess  # two real servers, one after the other; every wait is bounded
 def test_two_minutes_of_churn_leave_nothing_behind(tmp_path: Path) -> None:
-    result = run(SoakPlan(duration_s=120.0), tmp_path)
+    result = run(SoakPlan(duration_s=120.0, retrials=8), tmp_path)
     checks = result.checks()
-    assert all(checks.values()), (checks, result.baseline, result.end, result.unexplained)
+    assert all(checks.values()), (checks, result.baseline, result.end, result.differences, result.planted)
     assert len(result.completed) > 100 and result.samples
+    # The planted difference was retried on the real native server, and native never chose it.
+    assert result.planted is not None and (result.planted.retrials, result.planted.reproduced) == (8, 0)
 
 
 def test_the_checks_see_a_leak_and_a_mismatch() -> None:
     base = Sample(t=1.0, rss=1000 << 20, fds=100, memfds=2, mapped=10 << 16)
-    result = SoakResult(SoakPlan(), baseline=base, end=base, aborted=1, preemptions=1)
+    caught = Difference(0, 0, 3, 10, 11, 0.5, retrials=8, reproduced=0)
+    result = SoakResult(SoakPlan(), baseline=base, end=base, aborted=1, preemptions=1, planted=caught)
     assert all(result.checks().values())
     for changed, check in (({"rss": 1060 << 20}, "rss"), ({"mapped": 11 << 16}, "mapped"),
                            ({"fds": 101}, "descriptors"), ({"memfds": 3}, "memfds")):
@@ -30,8 +44,28 @@ def test_the_checks_see_a_leak_and_a_mismatch() -> None:
         assert [name for name, ok in result.checks().items() if not ok] == [
             next(n for n in result.checks() if n.startswith(check))]
     result.end = base
-    result.mismatches, result.mismatch_margins = [0, 1], [1e-5, 0.5]  # one near-tie, one real
-    assert result.unexplained == [1] and not result.checks()["no token difference beyond a native near-tie"]
+    # Native gave the first difference's token in one retrial; never the second's, nor the
+    # third's (another length: not retried).
+    result.differences = [Difference(4, 40, 2, 7, 8, 1e-7, 8, 1), Difference(5, 50, 2, 7, 8, 1e-7, 8, 0),
+                          Difference(6, 60, -1, -1, -1, -1.0)]
+    assert result.mismatches == [4, 5, 6] and result.unexplained == [5, 6]
+    assert [n for n, ok in result.checks().items() if not ok] == ["every token difference is one native also gives"]
+    result.differences = []
+    for planted in (None, dataclasses.replace(caught, reproduced=1)):  # missing, or native gave it
+        result.planted = planted
+        assert [n for n, ok in result.checks().items() if not ok] == ["the planted difference is caught"]
+
+
+def test_differences_are_found_at_their_first_token_and_the_planted_one_is_real() -> None:
+    reqs = [Request(i, [5, 6, 7], 4, None) for i in range(3)]
+    ref = [([9, 9, 9, 9], [0.2, 0.3, 0.4, 0.5]), ([9, 8, 7, 6], [1e-2, 1e-2, 3e-7, 0.9]), ([1, 2], [0.1, 0.1])]
+    soaked = [[9, 9, 9, 9], [9, 8, 5, 6], [1, 2, 3]]
+    found = find_differences(list(zip(reqs, soaked, strict=True)), ref)
+    assert found == [Difference(1, 1, 2, 5, 7, 3e-7), Difference(2, 2, -1, -1, -1, -1.0)]
+    planted = plant(list(zip(reqs, soaked, strict=True))[1:], ref[1:], random.Random(0))
+    # The second request's first margin of PLANTED_MARGIN or more is its last token's.
+    assert (planted.position, planted.request, planted.first, planted.native_token) == (0, 1, 3, 6)
+    assert planted.soaked_token != 6 and 3 <= planted.soaked_token < 1024 and planted.margin >= PLANTED_MARGIN
 
 
 def test_the_native_control_has_only_the_checks_that_can_fail_on_native(tmp_path: Path) -> None:
@@ -40,7 +74,9 @@ def test_the_native_control_has_only_the_checks_that_can_fail_on_native(tmp_path
     with pytest.raises(ValueError, match="candidate='kvached'"):
         SoakPlan(candidate="kvached")
     base = Sample(t=1.0, rss=1000 << 20, fds=100, memfds=0, mapped=0)
-    result = SoakResult(SoakPlan(candidate="native"), baseline=base, end=base, aborted=1, preemptions=1)
+    caught = Difference(0, 0, 3, 10, 11, 0.5, retrials=8, reproduced=0)
+    result = SoakResult(SoakPlan(candidate="native"), baseline=base, end=base, aborted=1, preemptions=1,
+                        planted=caught)
     assert all(result.checks().values())
     assert not any("mapped" in name or "memfds" in name for name in result.checks())
     result.end = dataclasses.replace(base, fds=101)
@@ -50,10 +86,13 @@ def test_the_native_control_has_only_the_checks_that_can_fail_on_native(tmp_path
     kvcached.write_text('{"completed": 100, "mismatches": [3], "unexplained": [], '
                         '"plan": {"duration_s": 600, "clients": 8, "seed": 0}}')
     result.completed = [(None, [1])] * 50  # type: ignore[list-item]
-    result.mismatches, result.mismatch_margins = [7, 9], [1e-4, 2e-4]
+    result.differences = [Difference(7, 70, 1, 5, 6, 1e-4, 8, 2), Difference(9, 90, 3, 5, 6, 2e-4, 8, 0)]
     text = render(result, "cmd", kvcached)
     assert "| kvcached (" in text and "1 of 100 (1.000%)" in text and "2 of 50 (4.000%)" in text
     assert "native control: FAIL" in text and "kvcached mapped" not in text
+    assert "| difference | 70 | 1 | 5 / 6 | 0.0001 | yes | 2 of 8 | yes |" in text
+    assert "| difference | 90 | 3 | 5 / 6 | 0.0002 | yes | 0 of 8 | NO |" in text
+    assert "| planted (control) | 0 | 3 | 10 / 11 | 0.5 | no | 0 of 8 | NO |" in text
 
 
 @pytest.mark.parametrize("candidate", ["kvcached", "native"])
