@@ -212,9 +212,45 @@ class BlockLedger:
         """Hold ``n`` page-aware chosen free blocks; all-or-nothing."""
         if n > self.num_free:
             raise InvariantError(f"allocate({n}) with {self.num_free} free blocks")
+        if n == 1:
+            one = self._allocate_mapped_one(wait)
+            if one >= 0:
+                return [one]
         blocks = self.choose(n)
         self.hold(blocks, wait=wait)
         return blocks
+
+    def _allocate_mapped_one(self, wait: bool) -> int:
+        """`allocate(1)` when a mapped page has a free block (a decode step's new block):
+        `choose`'s one-block pick and `_hold_one` in one pass, without re-checking what the
+        pick guarantees (the block is free and in range). -1, nothing changed, when no mapped
+        page has a free block (the general path maps one)."""
+        top, buckets = self._top, self._open
+        while top > 0 and not buckets[top]:
+            top -= 1
+        self._top = top
+        members = buckets[top]
+        if not members:
+            return -1
+        heap = self._open_heap[top]
+        while heap[0] not in members:
+            heapq.heappop(heap)
+        page = heap[0]
+        if top == 0:
+            self.pool.acquire((page,), wait=wait)  # a reserve page goes into use; raises with nothing changed
+        blocks, free = self._free_heap[page], self._free_per_page[page]
+        b = heapq.heappop(blocks)
+        while b not in free:
+            b = heapq.heappop(blocks)  # stale: held since it was pushed
+        members.discard(page)
+        self._held[b] = 1
+        free.discard(b)
+        self._held_per_page[page] = top + 1
+        if free:
+            self._open_add(top + 1, page)
+        self.num_held += 1
+        self.backed_free -= 1
+        return b
 
     def hold(self, block_ids: Sequence[int], *, wait: bool = False) -> None:
         """Mark free blocks held, mapping the pages they need first (all-or-nothing)."""

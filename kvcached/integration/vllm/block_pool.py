@@ -420,6 +420,8 @@ class ElasticBlockPool(BlockPool):
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Native semantics; CLEAN blocks are chosen page-aware (see the module docstring)."""
         self._adopt_external_pops()
+        if num_blocks == 1 and self.ledger.num_free:
+            return [self._get_clean_block()]
         if num_blocks > self.free_block_queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         num_clean = min(num_blocks, self.ledger.num_free)
@@ -455,6 +457,21 @@ class ElasticBlockPool(BlockPool):
             if metrics:
                 metrics.on_block_allocated(block)
         return ret
+
+    def _get_clean_block(self) -> KVCacheBlock:
+        """`get_new_blocks(1)` with a CLEAN block left (a decode step's new block): the same
+        steps for one block, without the batch's lists."""
+        block = self.blocks[self.ledger.allocate(1)[0]]  # maps only if admission did not
+        self.free_block_queue.remove(block)
+        metrics = self.metrics_collector
+        if self.enable_caching and (block.block_hash is not None or metrics or block.block_id in self._aliases):
+            self._maybe_evict_cached_block(block)
+        if block.ref_cnt != 0:
+            raise InvariantError(f"free block {block.block_id} has ref_cnt={block.ref_cnt}")
+        block.ref_cnt = 1
+        if metrics:
+            metrics.on_block_allocated(block)
+        return block
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Native touch; a touched free block becomes LIVE (a CLEAN one is held first)."""
