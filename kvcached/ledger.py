@@ -171,6 +171,27 @@ class BlockLedger:
         mapped = [p for bucket in reversed(self._open) for p in sorted(bucket)]
         return mapped + list(self._unmapped_pages())
 
+    def _best_mapped_block(self) -> int:
+        """The best free block on a mapped page, or -1 if no mapped page has one: the lowest
+        free block of the lowest page in the fullest bucket, read off the tops of their heaps
+        without popping (only stale entries on top are dropped, and the top bucket index
+        lowered to the fullest non-empty one: it only ever rises in `_open_add`)."""
+        top = self._top
+        while top > 0 and not self._open[top]:
+            top -= 1
+        self._top = top
+        members = self._open[top]
+        if not members:
+            return -1
+        heap = self._open_heap[top]
+        while heap[0] not in members:
+            heapq.heappop(heap)
+        page = heap[0]
+        blocks, free = self._free_heap[page], self._free_per_page[page]
+        while blocks[0] not in free:
+            heapq.heappop(blocks)
+        return blocks[0]
+
     def choose(self, n: int, among: Collection[int] | None = None) -> list[int]:
         """The ``n`` best free blocks (restricted to ``among`` if given); no state change.
 
@@ -183,19 +204,12 @@ class BlockLedger:
         chosen: list[int] = []
         if n == 0:
             return chosen
+        if n == 1 and among is None:
+            b = self._best_mapped_block()
+            if b >= 0:
+                return [b]
         while self._top > 0 and not self._open[self._top]:
             self._top -= 1  # the fullest bucket emptied since (it only ever rises in `_open_add`)
-        if n == 1 and among is None and self._open[self._top]:
-            # One block (a decode step's): the lowest page of the fullest bucket, read off
-            # the top of its heap without popping (stale entries on top are dropped).
-            heap, members = self._open_heap[self._top], self._open[self._top]
-            while heap[0] not in members:
-                heapq.heappop(heap)
-            page = heap[0]
-            blocks, free = self._free_heap[page], self._free_per_page[page]
-            while blocks[0] not in free:
-                heapq.heappop(blocks)
-            return [blocks[0]]
         for held in range(self._top, -1, -1):
             if self._open[held]:
                 self._choose_in(held, n, among, chosen)
@@ -213,44 +227,13 @@ class BlockLedger:
         if n > self.num_free:
             raise InvariantError(f"allocate({n}) with {self.num_free} free blocks")
         if n == 1:
-            one = self._allocate_mapped_one(wait)
-            if one >= 0:
-                return [one]
+            b = self._best_mapped_block()  # a decode step's new block: no list, no batch
+            if b >= 0:
+                self._hold_one(b, wait)
+                return [b]
         blocks = self.choose(n)
         self.hold(blocks, wait=wait)
         return blocks
-
-    def _allocate_mapped_one(self, wait: bool) -> int:
-        """`allocate(1)` when a mapped page has a free block (a decode step's new block):
-        `choose`'s one-block pick and `_hold_one` in one pass, without re-checking what the
-        pick guarantees (the block is free and in range). -1, nothing changed, when no mapped
-        page has a free block (the general path maps one)."""
-        top, buckets = self._top, self._open
-        while top > 0 and not buckets[top]:
-            top -= 1
-        self._top = top
-        members = buckets[top]
-        if not members:
-            return -1
-        heap = self._open_heap[top]
-        while heap[0] not in members:
-            heapq.heappop(heap)
-        page = heap[0]
-        if top == 0:
-            self.pool.acquire((page,), wait=wait)  # a reserve page goes into use; raises with nothing changed
-        blocks, free = self._free_heap[page], self._free_per_page[page]
-        b = heapq.heappop(blocks)
-        while b not in free:
-            b = heapq.heappop(blocks)  # stale: held since it was pushed
-        members.discard(page)
-        self._held[b] = 1
-        free.discard(b)
-        self._held_per_page[page] = top + 1
-        if free:
-            self._open_add(top + 1, page)
-        self.num_held += 1
-        self.backed_free -= 1
-        return b
 
     def hold(self, block_ids: Sequence[int], *, wait: bool = False) -> None:
         """Mark free blocks held, mapping the pages they need first (all-or-nothing)."""

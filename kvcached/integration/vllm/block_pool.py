@@ -421,7 +421,30 @@ class ElasticBlockPool(BlockPool):
         """Native semantics; CLEAN blocks are chosen page-aware (see the module docstring)."""
         self._adopt_external_pops()
         if num_blocks == 1 and self.ledger.num_free:
-            return [self._get_clean_block()]
+            # A decode step's new block: one CLEAN block, without the batch's lists. Maps
+            # only if admission did not; raises PhysicalMemoryExhausted before any change.
+            ret = [self.blocks[self.ledger.allocate(1)[0]]]
+            self.free_block_queue.remove(ret[0])
+        else:
+            ret = self._take_free_blocks(num_blocks)
+        # Native eviction of a block without hash, alias key or metrics is a no-op: CLEAN
+        # blocks (most of them) skip the call.
+        evict = self.enable_caching
+        aliases = self._aliases
+        metrics = self.metrics_collector
+        for block in ret:
+            if evict and (block.block_hash is not None or metrics or block.block_id in aliases):
+                self._maybe_evict_cached_block(block)
+            if block.ref_cnt != 0:
+                raise InvariantError(f"free block {block.block_id} has ref_cnt={block.ref_cnt}")
+            block.ref_cnt += 1
+            if metrics:
+                metrics.on_block_allocated(block)
+        return ret
+
+    def _take_free_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """``num_blocks`` free blocks out of the queue: CLEAN ones page-aware first, then the
+        head of the hashed region (native order)."""
         if num_blocks > self.free_block_queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         num_clean = min(num_blocks, self.ledger.num_free)
@@ -443,35 +466,7 @@ class ElasticBlockPool(BlockPool):
                 else:
                     raise InvariantError(f"block {bid} popped from the hashed region is not cached")
             ret.extend(positional)
-        # Native eviction of a block without hash, alias key or metrics is a no-op: CLEAN
-        # blocks (most of them) skip the call.
-        evict = self.enable_caching
-        aliases = self._aliases
-        metrics = self.metrics_collector
-        for block in ret:
-            if evict and (block.block_hash is not None or metrics or block.block_id in aliases):
-                self._maybe_evict_cached_block(block)
-            if block.ref_cnt != 0:
-                raise InvariantError(f"free block {block.block_id} has ref_cnt={block.ref_cnt}")
-            block.ref_cnt += 1
-            if metrics:
-                metrics.on_block_allocated(block)
         return ret
-
-    def _get_clean_block(self) -> KVCacheBlock:
-        """`get_new_blocks(1)` with a CLEAN block left (a decode step's new block): the same
-        steps for one block, without the batch's lists."""
-        block = self.blocks[self.ledger.allocate(1)[0]]  # maps only if admission did not
-        self.free_block_queue.remove(block)
-        metrics = self.metrics_collector
-        if self.enable_caching and (block.block_hash is not None or metrics or block.block_id in self._aliases):
-            self._maybe_evict_cached_block(block)
-        if block.ref_cnt != 0:
-            raise InvariantError(f"free block {block.block_id} has ref_cnt={block.ref_cnt}")
-        block.ref_cnt = 1
-        if metrics:
-            metrics.on_block_allocated(block)
-        return block
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Native touch; a touched free block becomes LIVE (a CLEAN one is held first)."""
