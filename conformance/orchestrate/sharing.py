@@ -158,9 +158,13 @@ def differences(got: Sequence[list[int] | None], ref: Sequence[tuple[list[int], 
         if tokens is None or len(tokens) != len(want):
             margins.append(-1.0)
         else:
-            first = next(p for p, (a, b) in enumerate(zip(tokens, want, strict=True)) if a != b)
-            margins.append(round(margin[first], 8))
+            margins.append(round(margin[first_difference(tokens, want)], 8))
     return indices, margins
+
+
+def first_difference(got: Sequence[int], want: Sequence[int]) -> int:
+    """The first position where two token lists of the same length differ (they must)."""
+    return next(p for p, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
 
 
 def send_burst(server: Server, batch: Sequence[Sequence[int]], max_tokens: int) -> list[list[int] | None]:

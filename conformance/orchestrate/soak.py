@@ -44,7 +44,7 @@ from pathlib import Path
 from conformance.cases import ARCHETYPES
 from conformance.models import FIRST_FREE_TOKEN, VOCAB_SIZE, ensure_model
 from conformance.orchestrate.serve import Server, ServerError, ServerSpec, serving, with_tokenizer
-from conformance.orchestrate.sharing import open_descriptors, settled_descriptors
+from conformance.orchestrate.sharing import first_difference, open_descriptors, settled_descriptors
 
 RSS_TOLERANCE = 0.05
 MAX_RETRIED = 20  # differences retried on native; any beyond stay unexplained
@@ -321,7 +321,7 @@ def find_differences(completed: Sequence[tuple[Request, list[int]]],
         if len(got) != len(want):
             out.append(Difference(pos, req.index, -1, -1, -1, -1.0))
             continue
-        first = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+        first = first_difference(got, want)
         out.append(Difference(pos, req.index, first, got[first], want[first], round(margins[first], 8)))
     return out
 
