@@ -65,6 +65,7 @@ class BlockLedger:
         self._open: list[set[int]] = [set() for _ in range(blocks_per_page)]
         self._open_heap: list[list[int]] = [[] for _ in range(blocks_per_page)]  # lazy min-heaps of _open
         self._top = 0  # no bucket above it is non-empty
+        self._levels: set[int] = set()  # the non-empty buckets (a few: at most one per open page)
         pool.watch(self._pages_changed)
         self._pages_changed(sorted(p for p in pool.mapped if p < self.num_pages), ())
         pinned = sorted(set(pinned))
@@ -104,7 +105,7 @@ class BlockLedger:
         for page in unmapped:
             if page < self.num_pages and self._free_per_page[page]:
                 self.backed_free -= len(self._free_per_page[page])
-                self._open[self._held_per_page[page]].discard(page)
+                self._open_remove(self._held_per_page[page], page)
 
     def _unmapped_pages(self) -> Iterator[int]:
         """Unmapped pages of this ledger, lowest first (a refill in flight included)."""
@@ -121,12 +122,23 @@ class BlockLedger:
 
     def _open_add(self, held: int, page: int) -> None:
         """Page ``page`` (mapped, with a free block) now holds ``held`` blocks."""
-        self._open[held].add(page)
+        bucket = self._open[held]
+        if not bucket:
+            self._levels.add(held)
+        bucket.add(page)
         self._top = max(self._top, held)
         heap = self._open_heap[held]
         heapq.heappush(heap, page)
         if len(heap) > 2 * len(self._open[held]) + 64:
             heap[:] = sorted(self._open[held])  # drop the stale entries (amortized)
+
+    def _open_remove(self, held: int, page: int) -> None:
+        """Page ``page`` leaves the bucket of pages holding ``held`` blocks, if it is in it."""
+        bucket = self._open[held]
+        if page in bucket:
+            bucket.remove(page)
+            if not bucket:
+                self._levels.remove(held)
 
     def _choose_in(self, held: int, n: int, among: Collection[int] | None, chosen: list[int]) -> None:
         """Extend ``chosen`` towards ``n`` blocks from the pages holding ``held`` blocks,
@@ -174,12 +186,12 @@ class BlockLedger:
     def _best_mapped_block(self) -> int:
         """The best free block on a mapped page, or -1 if no mapped page has one: the lowest
         free block of the lowest page in the fullest bucket, read off the tops of their heaps
-        without popping (only stale entries on top are dropped, and the top bucket index
-        lowered to the fullest non-empty one: it only ever rises in `_open_add`)."""
+        without popping (only stale entries on top are dropped). The fullest bucket is kept
+        in ``_top`` (raised in `_open_add`, looked up among the non-empty ones once it
+        empties)."""
         top = self._top
-        while top > 0 and not self._open[top]:
-            top -= 1
-        self._top = top
+        if not self._open[top]:
+            top = self._top = max(self._levels, default=0)
         members = self._open[top]
         if not members:
             return -1
@@ -208,13 +220,10 @@ class BlockLedger:
             b = self._best_mapped_block()
             if b >= 0:
                 return [b]
-        while self._top > 0 and not self._open[self._top]:
-            self._top -= 1  # the fullest bucket emptied since (it only ever rises in `_open_add`)
-        for held in range(self._top, -1, -1):
-            if self._open[held]:
-                self._choose_in(held, n, among, chosen)
-                if len(chosen) == n:
-                    return chosen
+        for held in sorted(self._levels, reverse=True):  # the non-empty buckets, fullest first
+            self._choose_in(held, n, among, chosen)
+            if len(chosen) == n:
+                return chosen
         for page in self._unmapped_pages():
             self._take(page, n, among, chosen)
             if len(chosen) == n:
@@ -231,9 +240,91 @@ class BlockLedger:
             if b >= 0:
                 self._hold_one(b, wait)
                 return [b]
+        elif n <= self.backed_free:
+            return self._take_mapped(n, wait)  # an admission's blocks: no map
         blocks = self.choose(n)
         self.hold(blocks, wait=wait)
         return blocks
+
+    def _take_mapped(self, n: int, wait: bool) -> list[int]:
+        """`allocate` of ``n`` <= `backed_free` blocks: `choose`'s blocks, held in the same
+        pass (popped off the heaps instead of read and put back; each page changes bucket
+        once).
+
+        Same order as `choose`: buckets from the fullest down, pages lowest first within
+        one, each page's lowest free blocks. A page taken from moves up (to a bucket already
+        passed) or closes, unless ``n`` is reached on it, so no page is visited twice. The
+        mapped pages that hold no block (bucket 0: the reserve's) that the choice reaches
+        are acquired first, in one call that changes nothing if it raises, and only they
+        are taken from (acquiring may map refill pages into bucket 0).
+        """
+        short = n - self._free_in_use()
+        empty = self._lowest_empty_pages(short) if short > 0 else []
+        if empty:
+            self.pool.acquire(empty, wait=wait)  # raises with nothing changed
+        chosen: list[int] = []
+        for held in sorted(self._levels, reverse=True):  # the non-empty buckets, fullest first
+            if held == 0:
+                break
+            members, heap = self._open[held], self._open_heap[held]
+            while members and len(chosen) < n:
+                page = heapq.heappop(heap)
+                if page in members:  # else stale, or a duplicate of a page taken from
+                    self._take_from(page, held, n, chosen)
+            if len(chosen) == n:
+                break
+        for page in empty:
+            self._take_from(page, 0, n, chosen)
+        if len(chosen) != n:  # the counts promised n: a broken bucket or heap, before any caller sees it
+            raise InvariantError(f"allocate({n}) found {len(chosen)} free blocks on mapped pages")
+        self.num_held += n
+        self.backed_free -= n
+        return chosen
+
+    def _take_from(self, page: int, held: int, n: int, chosen: list[int]) -> None:
+        """Hold the lowest free blocks of ``page`` (open, holding ``held``) towards ``n``."""
+        blocks, free, is_held = self._free_heap[page], self._free_per_page[page], self._held
+        got = 0
+        need = n - len(chosen)
+        while got < need and free:
+            b = heapq.heappop(blocks)
+            if b in free:  # else stale, or a duplicate of a block just taken
+                free.remove(b)
+                is_held[b] = 1
+                chosen.append(b)
+                got += 1
+        self._open_remove(held, page)
+        self._held_per_page[page] = held + got
+        if free:
+            self._open_add(held + got, page)
+
+    def _free_in_use(self) -> int:
+        """Free blocks on pages in use (mapped, holding a block): `backed_free` less the
+        blocks of the mapped pages that hold none (all of theirs are free)."""
+        empty = self._open[0]
+        if not empty:
+            return self.backed_free
+        free = len(empty) * self.blocks_per_page
+        last = self.num_pages - 1
+        if last in empty:  # the last page may be short
+            free -= (last + 1) * self.blocks_per_page - self.num_blocks
+        return self.backed_free - free
+
+    def _lowest_empty_pages(self, blocks: int) -> list[int]:
+        """The lowest mapped pages holding no block that give ``blocks`` free blocks (there
+        are enough); read off bucket 0's heap, which gets them back."""
+        heap, members = self._open_heap[0], self._open[0]
+        pages: list[int] = []
+        try:
+            while blocks > 0:
+                page = heapq.heappop(heap)
+                if page in members and (not pages or pages[-1] != page):
+                    pages.append(page)
+                    blocks -= len(self._free_per_page[page])
+        finally:
+            for page in pages:
+                heapq.heappush(heap, page)
+        return pages
 
     def hold(self, block_ids: Sequence[int], *, wait: bool = False) -> None:
         """Mark free blocks held, mapping the pages they need first (all-or-nothing)."""
@@ -256,7 +347,7 @@ class BlockLedger:
         for page, blocks in self._by_page(ids).items():
             held = held_of[page]
             free = self._free_per_page[page]
-            self._open[held].discard(page)
+            self._open_remove(held, page)
             for b in blocks:
                 is_held[b] = 1
             free.difference_update(blocks)
@@ -275,7 +366,7 @@ class BlockLedger:
         if held == 0:
             self.pool.acquire((page,), wait=wait)  # raises with nothing changed
         free = self._free_per_page[page]
-        self._open[held].discard(page)
+        self._open_remove(held, page)
         self._held[b] = 1
         free.discard(b)
         heap = self._free_heap[page]
@@ -295,7 +386,7 @@ class BlockLedger:
         held = self._held_per_page[page]
         free = self._free_per_page[page]
         if free:
-            self._open[held].discard(page)
+            self._open_remove(held, page)
         self._held[b] = 0
         free.add(b)
         self._free_pushed(page, (b,))
@@ -336,21 +427,23 @@ class BlockLedger:
         ids = list(block_ids)
         if len(ids) == 1:
             return self._release_one(ids[0])
-        if len(ids) > 1 and len(set(ids)) != len(ids):
-            raise InvariantError(f"release(): duplicate block ids in {ids}")
         held_of, is_held = self._held_per_page, self._held
-        for b in ids:
+        # One pass checks and frees; a bad id undoes it (a duplicate is a block no longer
+        # held when it comes again).
+        for i, b in enumerate(ids):
             if not 0 <= b < self.num_blocks or not is_held[b]:
-                raise InvariantError(f"release(): block {b} is out of range or not held")
+                for done in ids[:i]:
+                    is_held[done] = 1
+                what = "is a duplicate" if b in ids[:i] else "is out of range or not held"
+                raise InvariantError(f"release(): block {b} {what}")
+            is_held[b] = 0
         emptied: list[int] = []
         # Every page of `ids` is mapped (in use): each block joins the backed count.
         for page, blocks in self._by_page(ids).items():
             held = held_of[page]
             free = self._free_per_page[page]
             if free:
-                self._open[held].discard(page)
-            for b in blocks:
-                is_held[b] = 0
+                self._open_remove(held, page)
             free.update(blocks)
             self._free_pushed(page, blocks)
             held_of[page] = held - len(blocks)
@@ -445,6 +538,9 @@ class BlockLedger:
                 raise InvariantError(f"pages open with {held} held blocks: {sorted(bucket)} != {sorted(expected)}")
             if bucket and held > self._top:
                 raise InvariantError(f"pages open with {held} held blocks above the top bucket {self._top}")
+            if bool(bucket) != (held in self._levels):
+                raise InvariantError(f"the bucket of pages holding {held} blocks is {'non-' * bool(bucket)}empty "
+                                     f"but {'not ' * bool(bucket)}listed among the non-empty ones")
             if not bucket <= set(self._open_heap[held]):
                 raise InvariantError(f"pages open with {held} held blocks missing from their heap")
         for page, free in enumerate(self._free_per_page):

@@ -67,12 +67,14 @@ class ElasticCoreMachine(RuleBasedStateMachine):
         if n > self.ledger.num_free:
             return
         before = (set(self.pool.mapped), self.ledger.num_held, self.budget.used)
+        best = self.ledger.choose(n)
         try:
             blocks = self.ledger.allocate(n)
         except (PhysicalMemoryExhausted, InjectedFault):
             # Rollback: nothing held, nothing new mapped, no budget leaked.
             assert (set(self.pool.mapped), self.ledger.num_held, self.budget.used) == before
             return
+        assert blocks == best, "allocate holds exactly the blocks choose names (its fast paths included)"
         assert len(set(blocks)) == n
         assert not set(blocks) & set(self.held), "a block was handed out twice"
         for b in blocks:

@@ -133,6 +133,21 @@ def test_ledger_fills_mapped_pages_first_and_returns_empty_pages():
     assert vr.mapped_pages() == [0]
 
 
+@pytest.mark.parametrize("bad", ["duplicate", "not held", "out of range"])
+def test_a_bad_id_in_a_batch_release_changes_nothing(bad: str):
+    geometry = plan_geometry([PAGE // 4], 32, PAGE)
+    pool, _, _ = make_pool(num_pages=geometry.num_kv_pages)
+    ledger = BlockLedger(32, geometry.blocks_per_page, pool, pinned=[0])
+    held = ledger.allocate(6)  # pages 0 and 1
+    intruder = {"duplicate": held[1], "not held": 31, "out of range": 32}[bad]
+    before = ([ledger.is_held(b) for b in range(32)], ledger.num_held, ledger.backed_free, set(pool.in_use))
+    with pytest.raises(InvariantError, match=str(intruder)):
+        ledger.release([*held[:3], intruder, *held[3:]])
+    assert ([ledger.is_held(b) for b in range(32)], ledger.num_held, ledger.backed_free, set(pool.in_use)) == before
+    ledger.check()
+    assert sorted(ledger.release(held)) == [1]  # the same blocks still release cleanly
+
+
 def test_config_validation_names_the_variable():
     with pytest.raises(ConfigError, match="KVCACHED_PAGE_SIZE"):
         KvcachedConfig.resolve(env={"KVCACHED_PAGE_SIZE": "1000"})
