@@ -149,3 +149,39 @@ def test_another_coordinator_gets_a_native_pool(published) -> None:
     device = coordinator(config(full()))
     published.append(device.block_pool)
     assert isinstance(device.block_pool, ElasticBlockPool)
+
+
+def test_the_decode_path_skips_admission_exactly_when_admit_running_says_so(published) -> None:
+    """The exhaustion seam runs `ElasticBlockPool.admit_running`'s test inline: on the real
+    manager and pool, a running request's call goes without admission work exactly when the
+    method, asked on the same state just before, says it may."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request, RequestStatus
+
+    manager = KVCacheManager(config(full()), max_model_len=1024, scheduler_block_size=16, hash_block_size=16)
+    pool = manager.block_pool
+    assert isinstance(pool, ElasticBlockPool)
+    published.append(pool)
+    pool.running_block_sizes = (16,)
+    admissions: list[int] = []
+    begin = pool.begin_admission
+    pool.begin_admission = lambda *a, **k: admissions.append(1) or begin(*a, **k)  # type: ignore[method-assign]
+    init_none_hash(sha256)
+    request = Request("r", list(range(3, 23)), SamplingParams(max_tokens=200), None,
+                      block_hasher=get_request_block_hasher(16, sha256))
+    assert manager.allocate_slots(request, 20) is not None and admissions == [1], "a new request is admitted"
+    request.status = RequestStatus.RUNNING
+    request.num_computed_tokens = 20
+    seen = set()
+    for n in (1, 1, 40, 1, 90, 1, 16, 200, 1, 31, 1, 32, 1, 33, 1):
+        expected = pool.admit_running(n)
+        pool.end_admission(None)  # drop the marker the question left
+        before = len(admissions)
+        manager.allocate_slots(request, n)
+        request.num_computed_tokens += n
+        seen.add(expected)
+        assert (len(admissions) == before) == expected, f"{n} new tokens, {pool.ledger.backed_free} backed free"
+    assert seen == {True, False}, "both branches were taken"

@@ -144,9 +144,10 @@ class _Demand:
     protected: frozenset[int]
 
 
-#: A check that allocates nothing and touches no prefix hit (a decode step inside a block):
-#: its answer cannot change what is allocated, so it gets the native count at no cost.
-_NO_DEMAND = _Demand(0, frozenset())
+#: A check that allocates nothing and touches no prefix hit (a decode step inside a block),
+#: or a running request's that free blocks on mapped pages cover (`admit_running`, also set
+#: inline by the scheduler seam): the next free count is the native one, at no cost.
+NO_DEMAND = _Demand(0, frozenset())
 
 
 #: Context of one ``allocate_slots`` call (set by the scheduler seam): watermark, reserved
@@ -203,9 +204,9 @@ class ElasticBlockPool(BlockPool):
         self._demand: _Demand | None = None
         self._cap = -1  # the cap in blocks (`KvcachedConfig.cached_cap`), set at attach
         self._admission: _Admission | None = None
-        #: Allocation block size of each KV cache group when every group is full attention
-        #: (set by the engine seam at attach), else empty: see `admit_running`.
-        self.running_block_sizes: tuple[int, ...] = ()
+        self._running_block_sizes: tuple[int, ...] = ()
+        #: ``(groups, smallest block size)`` while `admit_running` may say yes, else None.
+        self.running_gate: tuple[int, int] | None = None
         self._logical_view = False
         self.arena: ElasticArena | None = None
         self._finalizer: weakref.finalize | None = None
@@ -242,6 +243,7 @@ class ElasticBlockPool(BlockPool):
         self.faults = arena.faults
         self.page_pool = arena.pool
         self.ledger = arena.ledger
+        self._set_running_gate()
         # Runs at most once: from `close`, or when a pool that was never closed is collected.
         # It holds the arena, never the pool (a reference to the pool would keep it alive).
         # Not at interpreter exit, where the process returns its memory anyway.
@@ -253,6 +255,22 @@ class ElasticBlockPool(BlockPool):
         return self.arena is not None
 
     # ---- admission (driven by the scheduler seam) ------------------------------------
+    @property
+    def running_block_sizes(self) -> tuple[int, ...]:
+        """Allocation block size of each KV cache group when every group is full attention
+        (set by the engine seam at attach), else empty: see `admit_running`."""
+        return self._running_block_sizes
+
+    @running_block_sizes.setter
+    def running_block_sizes(self, sizes: tuple[int, ...]) -> None:
+        self._running_block_sizes = tuple(sizes)
+        self._set_running_gate()
+
+    def _set_running_gate(self) -> None:
+        sizes = self._running_block_sizes
+        faults = getattr(self, "faults", None)  # the arena's, once attached
+        self.running_gate = (len(sizes), min(sizes)) if sizes and faults is None else None
+
     def admit_running(self, num_tokens: int) -> bool:
         """Admission of a running request's ``num_tokens`` new tokens (lookahead included)
         without admission work, if the blocks it can ask for already sit on mapped pages:
@@ -260,21 +278,20 @@ class ElasticBlockPool(BlockPool):
         whatever it allocates is backed. False (nothing changed) otherwise.
 
         Full attention needs at most ``ceil(n / block_size) + 1`` new blocks per group for
-        ``n`` new tokens (the +1 covers an optimistic async boundary). Only set up
-        (`running_block_sizes`) when every group is full attention, and off while faults
+        ``n`` new tokens (the +1 covers an optimistic async boundary); with ``g`` groups,
+        ``g * (n // smallest block size + 2)`` covers them all (``running_gate``). Only set
+        up (`running_block_sizes`) when every group is full attention, and off while faults
         are injected (a fault site counts admission checks; skipping some would shift them).
         The marker is consumed by the free count vLLM asks for next in ``allocate_slots``
         (nothing else asks for one without noting a demand first).
+
+        The scheduler seam runs this same test inline on every running request's call (a
+        call costs about as much as the test); the two change together.
         """
-        sizes = self.running_block_sizes
-        if not sizes or self.faults is not None:
+        gate = self.running_gate
+        if gate is None or self.ledger.backed_free < gate[0] * (num_tokens // gate[1] + 2):
             return False
-        bound = 0
-        for size in sizes:
-            bound += num_tokens // size + 2
-        if self.ledger.backed_free < bound:
-            return False
-        self._demand = _NO_DEMAND
+        self._demand = NO_DEMAND
         return True
 
     def note_demand(self, num_blocks: int, new_computed_blocks: Iterable[Sequence[KVCacheBlock]] = ()) -> None:
@@ -284,12 +301,12 @@ class ElasticBlockPool(BlockPool):
         never evicts them.
         """
         if not num_blocks and not any(new_computed_blocks):
-            self._demand = _NO_DEMAND  # a decode step inside a block: every request, every step
+            self._demand = NO_DEMAND  # a decode step inside a block: every request, every step
             return
         protected = frozenset(
             b.block_id for group in new_computed_blocks for b in group if b.ref_cnt == 0 and not b.is_null
         )
-        self._demand = _Demand(num_blocks, protected) if num_blocks or protected else _NO_DEMAND
+        self._demand = _Demand(num_blocks, protected) if num_blocks or protected else NO_DEMAND
 
     def begin_admission(self, watermark: int, reserved: int, site: str, new: bool = False) -> _Admission | None:
         """Enter one ``allocate_slots`` call: headroom for mapping, the fault site, and whether
@@ -358,7 +375,7 @@ class ElasticBlockPool(BlockPool):
         """Free blocks `get_new_blocks` can hand out now without mapping; <= the native count."""
         native = self.free_block_queue.num_free_blocks
         demand, self._demand = self._demand, None
-        if demand is _NO_DEMAND or self._logical_view:
+        if demand is NO_DEMAND or self._logical_view:
             # Nothing it allocates needs a map (or it allocates nothing): the native count
             # gives the native answer.
             return native
