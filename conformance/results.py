@@ -278,6 +278,7 @@ class CaseResult(_Strict):
     engine: EngineKind
     error: str | None = None
     traceback: str | None = None
+    native_defect: str | None = None  # the error is this known defect of native vLLM (its reason)
     kv_status: KvStatus = "not-run"
     model: dict[str, Any] | None = None
     plan: Plan | None = None

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import functools
 import re
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -224,3 +225,13 @@ def native_defect(version: str, error: str, function: str) -> NativeDefect | Non
     is on vLLM ``version``, or None."""
     series = series_of(version)
     return next((d for d in NATIVE_DEFECTS if d.matches(series, error, function)), None)
+
+
+def native_defect_of(error: BaseException) -> str | None:
+    """The reason, when ``error`` (caught where it was raised, traceback and all) is a known
+    native defect of the installed vLLM; else None. Read by the engine process that caught
+    it: its innermost frame is known there and nowhere downstream."""
+    frames = traceback.extract_tb(error.__traceback__)
+    version = installed_version()
+    defect = native_defect(version, f"{type(error).__name__}: {error}", frames[-1].name if frames else "")
+    return defect.reason(version) if defect else None

@@ -27,15 +27,19 @@ def test_each_comparison_gets_its_outcome_and_reason(tmp_path: Path) -> None:
         {"case_id": "c", "verdict": "error", "passed": False, "problems": REFUSAL},
         {"case_id": "d", "verdict": "error", "passed": False, "problems": "candidate error: RuntimeError: boom"},
         {"case_id": "e", "verdict": "error", "passed": False,
+         "problems": "reference error: IndexError: index 6 is out of bounds; other error: not run",
+         "native_defect_reference": "native vLLM 0.32.0 fails here on its own, in conv_ssm_forward"},
+        {"case_id": "e2", "verdict": "error", "passed": False,
          "problems": "reference error: IndexError: index 6 is out of bounds; other error: not run"},
         {"case_id": "f", "verdict": "error", "passed": False,
          "problems": "other error: RuntimeError: boom; reference error: IndexError: late"},
         {"case_id": "ctl", "control": "baseline"},
     ])
     rows, controls_ok = compat.rows_from_cases("0.30.0", csv)
-    assert [(r.case_id, r.outcome) for r in rows] == [("a", "exact"), ("b", "mismatch"), ("c", "unsupported"),
-                                                      ("d", "error"), ("e", "native-error"), ("f", "error")]
-    assert "IndexError" in rows[4].reason
+    assert [(r.case_id, r.outcome) for r in rows] == [
+        ("a", "exact"), ("b", "mismatch"), ("c", "unsupported"), ("d", "error"), ("e", "native-error"),
+        ("e2", "error"), ("f", "error")], "only a reference error recorded as a known native defect is native-error"
+    assert "conv_ssm_forward" in rows[4].reason and "IndexError" in rows[4].reason
     assert rows[0].reason == "" and "token mismatch" in rows[1].reason and "0.26 to 0.32" in rows[2].reason
     assert controls_ok
     csv = _cases(tmp_path / "bad.csv", [{"case_id": "a"}, {"case_id": "ctl", "control": "neg-kv", "passed": False,
@@ -115,3 +119,28 @@ def test_children_keep_the_trial_switch_and_lose_every_case_knob() -> None:
     env = {"KVCACHED_VLLM_TRIAL": "1", "KVCACHED_ENABLE": "1", "ENABLE_KVCACHED": "1",
            "KVCACHED_BUDGET_BYTES": "1", "KVCACHED_FAULT_PLAN": "/x", "PATH": "/bin"}
     assert without_kvcached(env) == {"KVCACHED_VLLM_TRIAL": "1", "PATH": "/bin"}
+
+
+def _raise_in(function: str, error: Exception) -> BaseException:
+    """``error`` raised (and caught) inside a function named ``function``."""
+    namespace: dict[str, object] = {}
+    exec(f"def {function}(e):\n    raise e\n", namespace)  # noqa: S102 - a fixed two-line function
+    try:
+        namespace[function](error)  # type: ignore[operator]
+    except Exception as caught:  # noqa: BLE001 - returned to the test
+        return caught
+    raise AssertionError("not raised")
+
+
+def test_a_native_defect_is_recognised_by_its_exception_and_innermost_frame(monkeypatch) -> None:
+    from conformance import vllm_series
+
+    monkeypatch.setattr(vllm_series, "installed_version", lambda: "0.32.0")
+    def oob() -> IndexError:  # a fresh one each time: a raised exception keeps its traceback
+        return IndexError("index 6 is out of bounds for dimension 0 with size 2")
+
+    assert "0.32.0 fails here on its own" in (vllm_series.native_defect_of(_raise_in("conv_ssm_forward", oob())) or "")
+    assert vllm_series.native_defect_of(_raise_in("forward", oob())) is None, "another frame: not the defect"
+    assert vllm_series.native_defect_of(_raise_in("conv_ssm_forward", IndexError("list index out of range"))) is None
+    monkeypatch.setattr(vllm_series, "installed_version", lambda: "0.31.0")
+    assert vllm_series.native_defect_of(_raise_in("conv_ssm_forward", oob())) is None, "another release"

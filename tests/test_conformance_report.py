@@ -551,3 +551,15 @@ def test_recompare_refuses_a_run_it_cannot_compare_again(tmp_path: Path, capsys:
     (tmp_path / "old-run" / "raw" / "reference" / "case.json").write_text("{}")
     assert cli.main(args) == 2 and "--keep-kv" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "old-run").iterdir()) == ["raw"]  # nothing written
+
+
+def test_memory_plot_of_a_run_where_no_case_ran_a_step_draws_a_note_not_a_warning(tmp_path: Path) -> None:
+    import warnings
+
+    from conformance.orchestrate.report import memory_plot
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib warns about a legend with nothing in it
+        memory_plot(tmp_path / "empty.png", {"reference": [("a", [])], "candidate": [("a", [])]}, "t")
+        memory_plot(tmp_path / "one.png", {"reference": [("a", [0, 2 << 20])], "candidate": [("a", [0, 2 << 20])]}, "t")
+    assert (tmp_path / "empty.png").stat().st_size > 0 and (tmp_path / "one.png").stat().st_size > 0

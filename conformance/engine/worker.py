@@ -51,6 +51,7 @@ from conformance.results import (
     load_job,
     write_atomic,
 )
+from conformance.vllm_series import native_defect_of
 from conformance.workload import Prompt, Workload, build_workload, stable_seed
 from kvcached.faults import read_fired, read_plan, read_triggers, write_plan
 
@@ -233,6 +234,7 @@ class CaseRunner:
             self._run_started(handle, case, entry, knobs, res, out_json)
         except Exception as e:  # noqa: BLE001 - recorded as the case's error (the case fails); next case runs
             res.error, res.traceback = f"{type(e).__name__}: {e}", traceback.format_exc()
+            res.native_defect = native_defect_of(e)
         finally:
             for k in knobs.env if knobs else ():
                 os.environ.pop(k, None)

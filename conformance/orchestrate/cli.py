@@ -213,6 +213,8 @@ def _compare_archetype(runner: Runner, cases: list[C.Case], out: Collected, prog
         )
         for p in row.problems:
             progress.log(f"         problem: {p}")
+        if row.native_defect_reference:
+            progress.log(f"         a known native defect: {row.native_defect_reference}")
 
 
 def _run_matrix(cfg: RunConfig, cases: list[C.Case], progress: RunProgress,

@@ -559,7 +559,8 @@ def _new_row(pair: Pair) -> ParityRow:
         peak_mapped_bytes_reference=ref.mapped_bytes_peak, peak_mapped_bytes_other=other.mapped_bytes_peak,
         final_mapped_bytes_reference=ref.mapped_bytes_final, final_mapped_bytes_other=other.mapped_bytes_final,
         same_schedule=False, schedule_divergence_step=None, verdict="error", passed=False,
-        wall_s_reference=ref.t_total or 0.0, wall_s_other=other.t_total or 0.0, **zero,
+        wall_s_reference=ref.t_total or 0.0, wall_s_other=other.t_total or 0.0,
+        native_defect_reference=ref.native_defect or "", **zero,
     )  # fmt: skip
 
 

@@ -12,7 +12,10 @@ function of typed data:
    (x the case's pattern and plan) -> ``exact`` / ``mismatch`` / ``unsupported`` / ``error``,
    with the reason for every failure (kvcached's refusal names the symbol and the file of a
    seam that moved), or ``native-error`` where native vLLM of that release fails the case
-   on its own (nothing to compare kvcached with; its error is the reason);
+   on its own with a known defect (`conformance.vllm_series.NATIVE_DEFECTS`, recognised by
+   the engine process that caught it, from the exception and its innermost frame: nothing
+   to compare kvcached with; the defect and the error are the reason). Any other failure of
+   the native reference is an ``error``;
 4. `write_version` stores ``reports/compat/rows/<version>.json``; `render` rebuilds
    ``reports/compat/README.md`` from every stored version (a pandas pivot).
 
@@ -46,8 +49,6 @@ Outcome = Literal["exact", "native-error", "mismatch", "unsupported", "error"]
 OUTCOMES: tuple[str, ...] = get_args(Outcome)
 #: What a kvcached refusal of a release or of a moved seam says (`kvcached.errors.IntegrationError`).
 _REFUSAL = re.compile(r"IntegrationError|is not supported|kvcached supports vLLM")
-#: The comparator's first problem when the native reference failed (then kvcached is not run).
-_NATIVE_FAILED = re.compile(r"^reference error: ")
 
 
 @dataclass(frozen=True)
@@ -144,15 +145,21 @@ def run_conformance(python: str, reports_dir: Path, run_id: str, env: dict[str, 
 
 
 # ---- stage 3: rows -------------------------------------------------------------------------------
-def classify(passed: bool, verdict: str, problems: str) -> tuple[Outcome, str]:
-    """A comparison's outcome and, for a failure, its reason."""
+def classify(passed: bool, verdict: str, problems: str, native_defect: str = "") -> tuple[Outcome, str]:
+    """A comparison's outcome and, for a failure, its reason.
+
+    ``native_defect``: the reason the reference engine recorded when its error was a known
+    native defect of that release (`conformance.vllm_series.NATIVE_DEFECTS`, matched on the
+    exception and its innermost frame where it was caught). Only that makes a failure
+    ``native-error``; any other error of the reference stays an ``error``.
+    """
     if passed:
         return "exact", ""
     reason = problems.strip() or verdict
     if verdict == "MISMATCH":
         return "mismatch", reason
-    if _NATIVE_FAILED.match(problems.strip()):
-        return "native-error", reason
+    if native_defect:
+        return "native-error", f"{native_defect} ({reason})"
     return ("unsupported" if _REFUSAL.search(problems) else "error"), reason
 
 
@@ -170,7 +177,8 @@ def rows_from_cases(version: str, cases_csv: Path) -> tuple[tuple[CompatRow, ...
     controls = df[df["control"] != "none"]
     rows = []
     for r in df[df["control"] == "none"].itertuples():
-        outcome, reason = classify(str(r.passed) == "True", str(r.verdict), str(r.problems))
+        outcome, reason = classify(str(r.passed) == "True", str(r.verdict), str(r.problems),
+                                   str(getattr(r, "native_defect_reference", "")))
         rows.append(CompatRow(version, str(r.archetype), str(r.scheduling), str(r.layout), str(r.case_id),
                               outcome, reason[:600]))
     if not rows:
@@ -230,8 +238,9 @@ def render(versions: Sequence[VersionResult], out_dir: Path = REPORT_DIR) -> Pat
     if versions:
         lines += ["## Outcome per archetype, scheduler and layout", "",
                   ("Each cell: the worst outcome of that combination's comparisons (exact ones / all). "
-                   "*native-error*: native vLLM of that release fails the case on its own, so kvcached "
-                   "has nothing to be compared with there (the reason below is native's error)."), "",
+                   "*native-error*: native vLLM of that release fails the case on its own, with a known "
+                   "defect (`conformance/vllm_series.py`, `NATIVE_DEFECTS`), so kvcached has nothing to be "
+                   "compared with there (the reason below names the defect and native's error)."), "",
                   _pivot(versions).to_markdown(index=False), ""]
     lines += ["## Reasons", ""]
     for v in versions:

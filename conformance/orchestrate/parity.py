@@ -105,6 +105,7 @@ class ParityRow:
     verdict: str
     passed: bool
     engine_error: str = ""  # the planned engine error the other side's client saw ("pass 2: InjectedFault")
+    native_defect_reference: str = ""  # the reference failed on a known native vLLM defect (its reason)
     problems: list[str] = field(default_factory=list)
     explanations: list[str] = field(default_factory=list)
     wall_s_reference: float = 0.0

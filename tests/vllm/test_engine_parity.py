@@ -50,7 +50,6 @@ import dataclasses
 import json
 import os
 import sys
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -232,14 +231,12 @@ def run_case(case: Case, with_kvcached: bool, zeroing: dict[str, Any]) -> dict[s
 def _known_native_defect(error: Exception) -> dict[str, str]:
     """``error`` as a case result if it is a known native defect of this vLLM
     (`conformance.vllm_series.NATIVE_DEFECTS`); otherwise it is raised again."""
-    from conformance.vllm_series import installed_version, native_defect
+    from conformance.vllm_series import native_defect_of
 
-    frames = traceback.extract_tb(error.__traceback__)
-    text = f"{type(error).__name__}: {error}"
-    defect = native_defect(installed_version(), text, frames[-1].name if frames else "")
-    if defect is None:
+    reason = native_defect_of(error)
+    if reason is None:
         raise error
-    return {"native_defect": defect.reason(installed_version()), "error": text}
+    return {"native_defect": reason, "error": f"{type(error).__name__}: {error}"}
 
 
 def child_main(job_path: str, out_path: str) -> None:

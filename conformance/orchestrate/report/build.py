@@ -159,7 +159,9 @@ def environment_section(env: Mapping[str, Any]) -> Section:
 
 def problem_sections(rows: Sequence[ParityRow], process_issues: Sequence[str]) -> tuple[Section, ...]:
     """Problems (failing comparisons), explanations (passing with a note), process issues."""
-    problems = tuple(f"`{r.case_id}` ({r.comparison}): {'; '.join(r.problems)}" for r in rows if not r.passed)
+    problems = tuple(f"`{r.case_id}` ({r.comparison}): {'; '.join(r.problems)}"
+                     + (f" (a known native defect: {r.native_defect_reference})" if r.native_defect_reference else "")
+                     for r in rows if not r.passed)
     explained = tuple(f"`{r.case_id}`: {'; '.join(r.explanations)}" for r in rows if r.explanations)
     return (
         Section(PROBLEMS, (Bullets(problems),)),

@@ -44,7 +44,11 @@ def memory_plot(
     ax.set_xlabel("scheduler step (cases in run order, separated by grey lines)")
     ax.set_ylabel("physical KV memory [MiB]")
     ax.set_title(title)
-    ax.legend(loc="upper right")
+    if ax.get_legend_handles_labels()[1]:  # every case failed before a step: nothing drawn, no legend
+        ax.legend(loc="upper right")
+    else:
+        ax.text(0.5, 0.5, "no case ran a step", transform=ax.transAxes, ha="center", color="0.4")
+        ax.set_xticks([])
     ax.set_ylim(bottom=0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
