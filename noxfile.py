@@ -64,13 +64,13 @@ def _shared_env(session: nox.Session, env_dir: Path = ENV_DIR, build_args: tuple
     stamp = env_dir / ".kvcached-stamp"
     want = _stamp(" ".join(build_args + packages) + extras)
     if not python.exists():
-        session.run(sys.executable, "-m", "venv", str(env_dir), external=True)
+        session.run_install(sys.executable, "-m", "venv", str(env_dir), external=True)
     if not stamp.exists() or stamp.read_text() != want:
-        session.run(str(python), "-m", "pip", "install", "-q", "pybind11>=2.12",
+        session.run_install(str(python), "-m", "pip", "install", "-q", "pybind11>=2.12",
                     "scikit-build-core>=0.10", "cmake", "ninja", *packages, external=True)
-        session.run(str(python), "-m", "pip", "install", "-q", "--no-build-isolation",
+        session.run_install(str(python), "-m", "pip", "install", "-q", "--no-build-isolation",
                     *build_args, "-e", f"{ROOT}[{extras}]", external=True)
-        session.run(str(python), "-m", "pip", "uninstall", "-q", "-y", *CUDA_ONLY_EXTRAS, external=True)
+        session.run_install(str(python), "-m", "pip", "uninstall", "-q", "-y", *CUDA_ONLY_EXTRAS, external=True)
         stamp.write_text(want)
     return python
 
@@ -120,7 +120,7 @@ def core(session: nox.Session, py: str) -> None:
     env_dir = ROOT / ".nox" / f"core-py{py}"
     python = env_dir / "bin" / "python"
     if not python.exists():
-        session.run(_interpreter(py), "-m", "venv", str(env_dir), external=True)
+        session.run_install(_interpreter(py), "-m", "venv", str(env_dir), external=True)
     _shared_env(session, env_dir=env_dir, extras="cli", packages=("numpy", "pytest", "pytest-xdist", "hypothesis"))
     _run(session, python, "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)")
     _run(session, python, "-m", "pytest", "-n", "2", "-q", *(f"tests/{t}" for t in CORE_TESTS), *session.posargs)
@@ -247,6 +247,6 @@ def gpu_probes(session: nox.Session) -> None:
     install would be shadowed by the source tree (which has no built extension).
     """
     python = Path(os.environ.get("KVCACHED_PYTHON", sys.executable))
-    session.run(str(python), "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "-e", ".",
+    session.run_install(str(python), "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "-e", ".",
                 external=True)
     session.run(str(python), "-m", "serving_probes", *session.posargs, external=True)
