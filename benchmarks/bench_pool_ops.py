@@ -43,7 +43,6 @@ import json
 import logging
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -53,6 +52,7 @@ from typing import Any
 
 import vllm
 from kvcached._vmm import VirtualRange
+from provenance import revision
 from verdicts import verdict
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -414,13 +414,8 @@ def records(run: Run) -> list[dict[str, Any]]:
 def versions() -> dict[str, str]:
     import torch
 
-    try:
-        rev = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
-                             text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        rev = "unknown"
     return {"python": platform.python_version(), "vllm": vllm.__version__, "torch": str(torch.__version__),
-            "kvcached": kvcached.__version__, "git": rev, "platform": platform.platform()}
+            "kvcached": kvcached.__version__, "git": revision(), "platform": platform.platform()}
 
 
 def ns(d: dict[str, float]) -> str:

