@@ -19,6 +19,11 @@ Two modes:
   pages mapped (total) and as (rep ns - warm rep ns) / pages mapped (excess: the map work).
   The mapped mode's pool is no baseline here: its page choice pays for all pages mapped.
 
+The mapped mode also times a third pool, `PassThroughPool`: vLLM's `BlockPool` with each
+method kvcached overrides on these paths overridden by one that only calls ``super()``. Its ratio to native
+is the floor of any Python override of these methods (the one extra call frame), whatever it
+does: the share of the target that no subclass, kvcached's included, can get back.
+
 One cell = (mode, op, blocks, batch). Each repetition times ``--window`` blocks' worth of
 calls (``window // batch`` calls, fewer for small pools) with ``time.perf_counter_ns`` around
 the whole loop, GC off; setup and cleanup are untimed. Per round each side runs one
@@ -76,6 +81,24 @@ MAPPED, MAPPING = "mapped", "mapping"
 Groups = list[list[KVCacheBlock]]
 
 
+class PassThroughPool(BlockPool):
+    """vLLM's pool with the methods `ElasticBlockPool` overrides on the timed paths overridden
+    by calls of ``super()``, nothing else: the cost of the override itself. (For
+    ``cache_full_blocks`` that is the per-block ``_insert_block_hash``.)"""
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        return super().get_new_blocks(num_blocks)
+
+    def free_blocks(self, ordered_blocks: Any) -> None:
+        super().free_blocks(ordered_blocks)
+
+    def touch(self, blocks: Any) -> None:
+        super().touch(blocks)
+
+    def _insert_block_hash(self, block_hash_with_group_id: Any, block: KVCacheBlock, num_tokens: int | None) -> None:
+        super()._insert_block_hash(block_hash_with_group_id, block, num_tokens)
+
+
 @dataclass(frozen=True, slots=True)
 class Ctx:
     """What one repetition of a cell runs: ``calls`` calls of ``batch`` blocks each."""
@@ -87,13 +110,15 @@ class Ctx:
 
 @dataclass(slots=True)
 class Rig:
-    """The native pool and two elastic pools (mapped, mapping) of one block count."""
+    """The native pool, two elastic pools (mapped, mapping) and the pass-through floor of one
+    block count."""
 
     blocks: int
     geometry: Geometry
     native: BlockPool
     mapped: ElasticBlockPool
     mapping: ElasticBlockPool
+    floor: BlockPool
     ranges: list[Any] = field(default_factory=list)
 
     def close(self) -> None:
@@ -159,7 +184,8 @@ def build_rig(blocks: int) -> Rig:
     geometry = plan_geometry([STRIDE], blocks, PAGE)
     mapped, r1 = elastic(geometry, geometry.num_kv_pages, f"bench-mapped-{blocks}")
     mapping, r2 = elastic(geometry, 0, f"bench-mapping-{blocks}")
-    rig = Rig(blocks, geometry, BlockPool(blocks, True, BLOCK), mapped, mapping, [r1, r2])
+    rig = Rig(blocks, geometry, BlockPool(blocks, True, BLOCK), mapped, mapping, PassThroughPool(blocks, True, BLOCK),
+              [r1, r2])
     release(mapped, [mapped.get_new_blocks(blocks - 1)])  # maps every page; they stay in the reserve
     return rig
 
@@ -312,7 +338,7 @@ def spread(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
-def summarize(cell: Cell, calls: int, native: list[Sample], kvc: list[Sample]) -> dict[str, Any]:
+def summarize(cell: Cell, calls: int, native: list[Sample], kvc: list[Sample], floor: list[Sample]) -> dict[str, Any]:
     """One cell's record: per-side medians over rounds, ratio spread, counters, verdict.
 
     Mapping mode adds the per-page cost, per round: timed ns of a rep / pages it mapped
@@ -329,7 +355,8 @@ def summarize(cell: Cell, calls: int, native: list[Sample], kvc: list[Sample]) -
     }
     if cell.mode == MAPPED:
         ok = maps == unmaps == 0
-        rec.update(target=TARGET, verdict=verdict(ratios, TARGET) if ok else "invalid: mapped while timed")
+        rec.update(target=TARGET, verdict=verdict(ratios, TARGET) if ok else "invalid: mapped while timed",
+                   floor_ratio=spread([f.ns_per_op / n.ns_per_op for f, n in zip(floor, native, strict=True)]))
         return rec
     rec.update(verdict="report only", unmapped_before_every_rep=all(s.unmapped_before for s in kvc),
                pages_mapped_per_rep=spread([s.pages_per_rep for s in kvc]))
@@ -349,7 +376,7 @@ class Run:
     """Everything one invocation measured (rigs stay open until `close`)."""
 
     rigs: dict[int, Rig]
-    samples: dict[Cell, tuple[list[Sample], list[Sample]]] = field(default_factory=dict)
+    samples: dict[Cell, tuple[list[Sample], list[Sample], list[Sample]]] = field(default_factory=dict)
     calls: dict[Cell, int] = field(default_factory=dict)
     premap: dict[int, dict[str, int]] = field(default_factory=dict)
 
@@ -365,19 +392,23 @@ def mapped_state(rig: Rig) -> dict[str, int]:
             "maps": s.maps, "unmaps": s.unmaps}
 
 
-def run_cell(run: Run, cell: Cell, ctx: Ctx, reps: int, native_first: bool) -> tuple[Sample, Sample]:
+def run_cell(run: Run, cell: Cell, ctx: Ctx, reps: int, turn: int) -> list[Sample]:
+    """[native, kvcached, pass-through floor (mapped mode only)], measured in an order that
+    rotates with ``turn``."""
     rig = run.rigs[cell.blocks]
-    kvc_pool = rig.mapped if cell.mode == MAPPED else rig.mapping
+    pools = [rig.native, rig.mapped if cell.mode == MAPPED else rig.mapping]
+    if cell.mode == MAPPED:
+        pools.append(rig.floor)
+    order = [(turn + i) % len(pools) for i in range(len(pools))]
+    samples: dict[int, Sample] = {}
     gc.collect()
     gc.disable()
     try:
-        if native_first:
-            native = measure(rig.native, cell, ctx, reps)
-            return native, measure(kvc_pool, cell, ctx, reps)
-        kvc = measure(kvc_pool, cell, ctx, reps)
-        return measure(rig.native, cell, ctx, reps), kvc
+        for i in order:
+            samples[i] = measure(pools[i], cell, ctx, reps)
     finally:
         gc.enable()
+    return [samples[i] for i in range(len(pools))]
 
 
 def execute(args: argparse.Namespace, progress: Any) -> Run:
@@ -395,10 +426,10 @@ def execute(args: argparse.Namespace, progress: Any) -> Run:
         for cell in todo:
             calls = max(1, min(cell.blocks - 1, args.window) // cell.batch)
             reqs = requests.setdefault((cell.batch, calls), make_requests(calls, cell.batch))
-            native, kvc = run_cell(run, cell, Ctx(cell.batch, calls, reqs), args.reps, native_first=r % 2 == 0)
-            sides = run.samples.setdefault(cell, ([], []))
-            sides[0].append(native)
-            sides[1].append(kvc)
+            measured = run_cell(run, cell, Ctx(cell.batch, calls, reqs), args.reps, turn=r)
+            native, kvc = measured[:2]
+            for side, sample in zip(run.samples.setdefault(cell, ([], [], [])), measured):
+                side.append(sample)
             run.calls[cell] = calls
             progress.advance(f"round {r + 1} {cell.mode} {cell.op} n={cell.blocks} b={cell.batch}: "
                              f"{native.ns_per_op:.0f} / {kvc.ns_per_op:.0f} ns = "
@@ -407,15 +438,15 @@ def execute(args: argparse.Namespace, progress: Any) -> Run:
 
 
 def records(run: Run) -> list[dict[str, Any]]:
-    return [summarize(cell, run.calls[cell], native, kvc) for cell, (native, kvc) in run.samples.items()]
+    return [summarize(cell, run.calls[cell], *sides) for cell, sides in run.samples.items()]
 
 
 # ---- report --------------------------------------------------------------------------------
-def versions() -> dict[str, str]:
+def versions(rev: str) -> dict[str, str]:
     import torch
 
     return {"python": platform.python_version(), "vllm": vllm.__version__, "torch": str(torch.__version__),
-            "kvcached": kvcached.__version__, "git": revision(), "platform": platform.platform()}
+            "kvcached": kvcached.__version__, "git": rev, "platform": platform.platform()}
 
 
 def ns(d: dict[str, float]) -> str:
@@ -432,7 +463,7 @@ def markdown(result: dict[str, Any]) -> str:
         "# Pool operation cost: `ElasticBlockPool` / native `BlockPool`", "",
         f"`{result['command']}` on {result['date']}; " + ", ".join(f"{k} {v}" for k, v in result["versions"].items())
         + ".", "",
-        (f"{a['rounds']} rounds (sides alternate which goes first), {a['reps']} timed reps per side per round "
+        (f"{a['rounds']} rounds (the order of the sides rotates from round to round), {a['reps']} timed reps per side per round "
          f"after one warm-up; a rep is {a['window']} blocks' worth of calls (fewer for a 1k pool), timed as one "
          f"`perf_counter_ns` region, GC off. ns/op = ns per call: median over rounds (min-max); ratio = median "
          f"of the per-round kvcached/native ratios (min-max). Elastic pool: real CPU memfd range, "
@@ -448,14 +479,17 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {n} | {pre['kv_pages']} | {pre['pages_mapped']} | {pre['maps']} / {pre['unmaps']} "
                      f"| {end['maps']} / {end['unmaps']} |")
     lines += ["", (f"Per operation (target <= {TARGET:.2f}x; maps/unmaps = `kvcached.stats()` counter deltas "
-              "summed over every timed region of the cell):"), "",
-              "| op | blocks | batch | native ns/op | kvcached ns/op | ratio | maps/unmaps timed | verdict |",
-              "|---|---|---|---|---|---|---|---|"]
+              "summed over every timed region of the cell; the last column: vLLM's pool with the methods kvcached "
+              "overrides there overridden by a call of `super()` only, timed in the same rounds, the floor of any Python "
+              "override):"), "",
+              ("| op | blocks | batch | native ns/op | kvcached ns/op | ratio | maps/unmaps timed | verdict "
+               "| pass-through override / native |"),
+              "|---|---|---|---|---|---|---|---|---|"]
     for rec in result["cells"]:
         if rec["mode"] == MAPPED:
             lines.append(f"| {rec['op']} | {rec['blocks']} | {rec['batch']} | {ns(rec['native_ns_per_op'])} "
                          f"| {ns(rec['kvcached_ns_per_op'])} | {ratio(rec['ratio'])} "
-                         f"| {rec['maps_timed']}/{rec['unmaps_timed']} | {rec['verdict']} |")
+                         f"| {rec['maps_timed']}/{rec['unmaps_timed']} | {rec['verdict']} | {ratio(rec['floor_ratio'])} |")
     lines += ["", "## Mapping included: `get_new_blocks` from an unmapped pool (reserve 0)", "",
               ("Idle pages are unmapped (`collect`) before every rep, and each rep is followed by the same "
                "rep with its pages still mapped (warm). Per-page cost = rep ns / pages mapped (total) and "
@@ -498,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.getLogger("vllm").setLevel(logging.WARNING)  # reset_prefix_cache logs at INFO
     init_none_hash(sha256)
+    rev = revision()  # the code loaded now is the code measured
     t0 = time.perf_counter()
     total = args.rounds * len(cells(args.blocks, args.batches))
     with RunProgress(total, "bench pool ops") as progress:
@@ -507,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {
             "command": " ".join(["python", "benchmarks/bench_pool_ops.py", *sys.argv[1:]]),
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "versions": versions(), "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "versions": versions(rev), "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "geometry": {"page_size": PAGE, "block_stride": STRIDE, "block_tokens": BLOCK,
                          "blocks_per_page": run.rigs[args.blocks[0]].geometry.blocks_per_page},
             "premap": run.premap, "end_state": {n: mapped_state(rig) for n, rig in run.rigs.items()},

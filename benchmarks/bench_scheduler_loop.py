@@ -292,6 +292,7 @@ def main() -> int:
     configs = [Config(s, int(b), int(c), int(p)) for s in args.schedulers.split(",")
                for b in args.blocks.split(",") for c in args.concurrency.split(",")
                for p in args.page_size.split(",")]
+    rev = revision()  # the code loaded now is the code measured
     results = []
     for config in configs:
         results.append(sample(config, args.pairs, args.max_tokens))
@@ -301,7 +302,7 @@ def main() -> int:
     meta = {"command": "python benchmarks/bench_scheduler_loop.py " + " ".join(sys.argv[1:]),
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "versions": _versions(),
             "machine": f"{os.cpu_count()} cores, {platform.machine()}", "pairs": args.pairs,
-            "max_tokens": args.max_tokens, "git": revision()}
+            "max_tokens": args.max_tokens, "git": rev}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "scheduler_loop.json").write_text(json.dumps(
         {"meta": meta, "results": [asdict(r) | {"ratios": r.ratios} for r in results]}, indent=1) + "\n")
