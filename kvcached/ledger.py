@@ -126,11 +126,12 @@ class BlockLedger:
         if not bucket:
             self._levels.add(held)
         bucket.add(page)
-        self._top = max(self._top, held)
+        if held > self._top:
+            self._top = held
         heap = self._open_heap[held]
         heapq.heappush(heap, page)
-        if len(heap) > 2 * len(self._open[held]) + 64:
-            heap[:] = sorted(self._open[held])  # drop the stale entries (amortized)
+        if len(heap) > 2 * len(bucket) + 64:
+            heap[:] = sorted(bucket)  # drop the stale entries (amortized)
 
     def _open_remove(self, held: int, page: int) -> None:
         """Page ``page`` leaves the bucket of pages holding ``held`` blocks, if it is in it."""
@@ -389,7 +390,11 @@ class BlockLedger:
             self._open_remove(held, page)
         self._held[b] = 0
         free.add(b)
-        self._free_pushed(page, (b,))
+        heap = self._free_heap[page]
+        if len(heap) + 1 > 2 * len(free) + 16:  # `_free_pushed` of one block, inline (every free)
+            heap[:] = sorted(free)
+        else:
+            heapq.heappush(heap, b)
         self._held_per_page[page] = held - 1
         self._open_add(held - 1, page)
         self.num_held -= 1
