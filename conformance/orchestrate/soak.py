@@ -11,7 +11,8 @@ Phases: warm-up (a fifth of the time), idle (traffic paused, the prefix cache re
 vLLM's dev endpoint, the engine quiet): the *baseline*; then the rest of the traffic and the
 same idle point again: the *end*. Every second a sampler reads the server's process tree
 (RSS, open descriptors, kvcached's memfds) and kvcached's mapped bytes (the engine's charge
-in its budget record). The soak holds when, at the end against the baseline: RSS within 5%,
+in its budget record). The soak holds when, at the end against the baseline: RSS outside
+vLLM's workers within 5% (the CPU worker grows on its own, native alike: `SoakResult.checks`),
 and mapped bytes, descriptors and memfds equal. Every request that completed is then sent
 to a native server, with the logprob margins of its greedy tokens.
 
@@ -102,10 +103,17 @@ class Difference:
 @dataclass
 class Sample:
     t: float
-    rss: int
+    rss: int  # the server's whole process tree
     fds: int
     memfds: int
     mapped: int
+    worker_rss: int = 0  # of ``rss``, vLLM's worker processes (0 where they cannot be told apart)
+
+    @property
+    def engine_rss(self) -> int:
+        """RSS outside vLLM's workers: the API server and the EngineCore, where kvcached keeps
+        its bookkeeping (ledger, page pool, fence)."""
+        return self.rss - self.worker_rss
 
 
 @dataclass
@@ -134,11 +142,20 @@ class SoakResult:
 
     def checks(self) -> dict[str, bool]:
         """What must hold at the end; mapped bytes and memfds are kvcached's, so a native
-        control has neither check (they could not fail)."""
+        control has neither check (they could not fail).
+
+        RSS is checked outside vLLM's worker processes: vLLM's CPU worker grows on its own
+        under new batch shapes, native alike (measured per process: +34.8 MiB native, +32.5
+        kvcached over 2 minutes of the same traffic), about 3-5% of the tree in the 2-minute
+        soak. kvcached's state in the worker is its KV ranges and descriptors: the mapped
+        bytes, memfds and descriptors checks cover it. The tree's and the workers' RSS are
+        reported.
+        """
         b, e = self.baseline, self.end
         assert b is not None and e is not None
         checks = {
-            "rss within 5% of the baseline": abs(e.rss - b.rss) <= RSS_TOLERANCE * b.rss,
+            "rss outside vLLM's workers within 5% of the baseline":
+                abs(e.engine_rss - b.engine_rss) <= RSS_TOLERANCE * b.engine_rss,
             "mapped bytes back to the baseline": e.mapped == b.mapped,
             "descriptors back to the baseline": e.fds == b.fds,
             "memfds back to the baseline": e.memfds == b.memfds,
@@ -198,17 +215,22 @@ def _traffic(server: Server, traffic: Traffic, seconds: float, result: SoakResul
 
 
 # ---- observing ----------------------------------------------------------------------------------
-def _rss(server: Server) -> int:
+def _rss(server: Server) -> tuple[int, int]:
+    """RSS of the server's process tree, and of the vLLM workers in it (their process title,
+    set by vLLM, names them ``VLLM::Worker...``)."""
     import psutil
 
     root = psutil.Process(server.proc.pid)
-    total = 0
+    total = workers = 0
     for proc in [root, *root.children(recursive=True)]:
         try:
-            total += proc.memory_info().rss
+            rss = proc.memory_info().rss
+            is_worker = any("::Worker" in part for part in proc.cmdline())
         except psutil.NoSuchProcess:
-            pass
-    return total
+            continue
+        total += rss
+        workers += rss if is_worker else 0
+    return total, workers
 
 
 def _mapped(record: Path | None) -> int:
@@ -224,7 +246,8 @@ def _mapped(record: Path | None) -> int:
 
 def _sample(server: Server, record: Path | None, t0: float, settled: bool = False) -> Sample:
     fds, memfds = settled_descriptors(server) if settled else open_descriptors(server)
-    return Sample(round(time.monotonic() - t0, 2), _rss(server), fds, memfds, _mapped(record))
+    rss, workers = _rss(server)
+    return Sample(round(time.monotonic() - t0, 2), rss, fds, memfds, _mapped(record), workers)
 
 
 class Sampler(threading.Thread):

@@ -122,9 +122,11 @@ def render(result: SoakResult, command: str, kvcached: Path = KVCACHED_OUT / "re
     from importlib.metadata import version
 
     native = result.plan.candidate == "native"
-    rows = [("RSS (MiB)", b.rss / MiB, e.rss / MiB), ("open descriptors", b.fds, e.fds)]
+    rows = [("RSS (MiB)", b.rss / MiB, e.rss / MiB),
+            ("of which vLLM's workers (MiB)", b.worker_rss / MiB, e.worker_rss / MiB),
+            ("open descriptors", b.fds, e.fds)]
     if not native:
-        rows[1:1] = [("kvcached mapped (MiB)", b.mapped / MiB, e.mapped / MiB)]
+        rows[2:2] = [("kvcached mapped (MiB)", b.mapped / MiB, e.mapped / MiB)]
         rows.append(("kvcached memfds", b.memfds, e.memfds))
     title = "Churn soak, native control" if native else "Churn soak"
     server = "native `vllm serve`" if native else "`vllm serve` with kvcached"
