@@ -28,6 +28,10 @@ from kvcached.errors import ConfigError, InvariantError
 from kvcached.pages import PagePool
 from kvcached.stats import PoolStats
 
+#: A page's free-block heap is rebuilt from its free set once it would hold more than twice
+#: as many entries as free blocks, plus this slack (stale entries are dropped lazily).
+_FREE_HEAP_SLACK = 16
+
 
 class BlockLedger:
     def __init__(
@@ -391,7 +395,7 @@ class BlockLedger:
         self._held[b] = 0
         free.add(b)
         heap = self._free_heap[page]
-        if len(heap) + 1 > 2 * len(free) + 16:  # `_free_pushed` of one block, inline (every free)
+        if len(heap) + 1 > 2 * len(free) + _FREE_HEAP_SLACK:  # `_free_pushed` of one block, inline
             heap[:] = sorted(free)
         else:
             heapq.heappush(heap, b)
@@ -407,7 +411,7 @@ class BlockLedger:
     def _free_pushed(self, page: int, blocks: Sequence[int]) -> None:
         """``blocks`` of ``page`` became free: onto its heap (rebuilt once mostly stale)."""
         heap = self._free_heap[page]
-        if len(heap) + len(blocks) > 2 * len(self._free_per_page[page]) + 16:
+        if len(heap) + len(blocks) > 2 * len(self._free_per_page[page]) + _FREE_HEAP_SLACK:
             heap[:] = sorted(self._free_per_page[page])
             return
         for b in blocks:
