@@ -20,9 +20,12 @@ A sampler reads the record at ``sample_hz`` the whole time: the device's usage m
 exceed the budget. Tokens: every completed request is compared with a native reference
 (the same request alone on a native server of the same model, with each position's logprob
 margin of the greedy token over the runner-up). Concurrent batches on CPU can differ in the
-last bits, so a request may differ where the reference was a near-tie (margin below `TIE`);
-every mismatch must be one (a wrong page would diverge at an ordinary margin), and each is
-listed with its margin. The native servers' own concurrent bursts are checked the same way.
+last bits, so a request may differ where native's choice is a near-tie: each difference is
+retried on native servers beside other requests of its burst (`retrial`), and it is
+explained only when native itself chooses kvcached's token there in one of those runs (a
+wrong page would diverge where no batch mix flips native). A difference planted in a native
+output, where native's margin is ordinary, is retried the same way and must stay
+unexplained. The native servers' own concurrent bursts are compared too (reported).
 
 The native side is the user's alternative: the same total memory split statically, half
 per engine (``--kv-cache-memory-bytes``). Its bursts run too, and their durations are
@@ -31,6 +34,7 @@ reported beside kvcached's. Traffic is bounded (request counts, every wait) and 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -47,16 +51,15 @@ from pathlib import Path
 
 from conformance.cases import ARCHETYPES
 from conformance.models import FIRST_FREE_TOKEN, VOCAB_SIZE, ensure_model
+from conformance.orchestrate import retrial
+from conformance.orchestrate.retrial import Difference
 from conformance.orchestrate.serve import Server, ServerError, ServerSpec, start_server, with_tokenizer
 from conformance.procfs import descriptors
 
 MiB = 1 << 20
 ENGINES = (("A", "llama"), ("B", "qwen3"))  # engine label -> archetype (two different models)
-#: A reference margin (logprob of the greedy token over the runner-up) below which a different
-#: choice in another batch shape is float noise: float32 batch-shape differences move logprobs
-#: by about 1e-5; the margins of a random tiny model are mostly 1e-2 and more.
-TIE = 1e-3
-Reference = dict[str, list[tuple[list[int], list[float]]]]  # burst key -> (tokens, margins) per request
+MAX_RETRIED = 20  # differences retried on native; any beyond stay unexplained
+Reference = dict[str, list[retrial.Reference]]  # burst key -> (tokens, margins) per request
 
 
 @dataclass(frozen=True)
@@ -75,10 +78,11 @@ class SharingPlan:
     sample_hz: float = 100.0
     max_reserve_pages: int = 4
     idle_timeout_s: float = 20.0
+    retrials: int = 24  # native reruns of each difference (and of the planted one)
 
     @classmethod
     def quick(cls) -> SharingPlan:
-        return cls(cycles=3, max_tokens=32)
+        return cls(cycles=3, max_tokens=32, retrials=8)
 
     def engine_env(self, name: str, record: Path) -> tuple[tuple[str, str], ...]:
         return (("KVCACHED_BUDGET_PATH", str(record)), ("KVCACHED_BUDGET_BYTES", str(self.budget_bytes)),
@@ -97,8 +101,7 @@ class Burst:
     end_s: float
     requests: int
     completed: int
-    mismatches: list[int] = field(default_factory=list)  # requests whose tokens differ from the reference
-    margins: list[float] = field(default_factory=list)  # the reference's margin where each first differs
+    differences: list[Difference] = field(default_factory=list)  # requests that differ from the reference
     peak_bytes: int = 0
 
 
@@ -121,6 +124,7 @@ class SharingResult:
     a_at_kill_bytes: int = 0
     b_after_kill_peak_bytes: int = 0
     exits: dict[str, int] = field(default_factory=dict)
+    planted: Difference | None = None  # the retrial's negative control: must stay unexplained
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), separators=(",", ":")))
@@ -130,8 +134,11 @@ class SharingResult:
         """A saved result (`save`), to render its report again."""
         data = json.loads(path.read_text())
         for key in ("bursts", "native_bursts"):
-            data[key] = [Burst(**b) for b in data[key]]
+            data[key] = [Burst(**(b | {"differences": [Difference(**d) for d in b["differences"]]}))
+                         for b in data[key]]
         data["marks"] = [tuple(m) for m in data["marks"]]
+        if data.get("planted") is not None:
+            data["planted"] = Difference(**data["planted"])
         return cls(**data)
 
 
@@ -144,27 +151,13 @@ def prompts(plan: SharingPlan, engine: str, burst: int, n: int | None = None) ->
             for _ in range(n or plan.burst)]
 
 
-def differences(got: Sequence[list[int] | None], ref: Sequence[tuple[list[int], list[float]]]
-                ) -> tuple[list[int], list[float]]:
-    """Requests whose tokens differ from the reference (a failed one too), and for each the
-    reference's margin at the first differing position (-1: it failed or has another length)."""
+def differences(got: Sequence[list[int] | None], ref: Sequence[retrial.Reference]) -> list[Difference]:
+    """The requests of a burst whose tokens differ from the reference (a failed one too: ``first``
+    -1), each where it first differs; ``position`` is the request's index in the burst."""
     if len(got) != len(ref):
         raise ServerError(f"{len(got)} results against {len(ref)} references")
-    indices, margins = [], []
-    for i, (tokens, (want, margin)) in enumerate(zip(got, ref, strict=True)):
-        if tokens == want:
-            continue
-        indices.append(i)
-        if tokens is None or len(tokens) != len(want):
-            margins.append(-1.0)
-        else:
-            margins.append(round(margin[first_difference(tokens, want)], 8))
-    return indices, margins
-
-
-def first_difference(got: Sequence[int], want: Sequence[int]) -> int:
-    """The first position where two token lists of the same length differ (they must)."""
-    return next(p for p, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+    found = (retrial.compare(i, i, tokens, want) for i, (tokens, want) in enumerate(zip(got, ref, strict=True)))
+    return [d for d in found if d is not None]
 
 
 def send_burst(server: Server, batch: Sequence[Sequence[int]], max_tokens: int) -> list[list[int] | None]:
@@ -282,17 +275,28 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float) -> float:
 # ---- the scenario -------------------------------------------------------------------------------
 def burst_plan(plan: SharingPlan) -> dict[str, list[tuple[int, int, int]]]:
     """Per engine, the (burst index, requests, max tokens) compared with native: A's first and
-    cycle bursts; B's first, its long one (its limit is lowered while it runs), its cycle
+    cycle bursts; B's first, its long one (twice the requests; its limit is lowered while it runs), its cycle
     bursts and the double-size one after A's death."""
     n, m = plan.burst, plan.max_tokens
     a = [(0, n, m)] + [(1 + c, n, m) for c in range(plan.cycles)]
-    b = [(0, n, m), (1, n, LONG * m)] + [(2 + c, n, m) for c in range(plan.cycles)]
+    b = [(0, n, m), (1, 2 * n, LONG * m)] + [(2 + c, n, m) for c in range(plan.cycles)]
     b.append((2 + plan.cycles, 2 * n, m))
     return {"A": a, "B": b}
 
 
+@functools.cache
+def compared_bursts(plan: SharingPlan) -> dict[str, tuple[str, list[list[int]], int]]:
+    """`burst_plan` by burst key (``A0``, ``B1``, ...): engine, prompts and max tokens (read, never
+    changed: one copy per plan)."""
+    return {f"{engine}{index}": (engine, prompts(plan, engine, index, n), m)
+            for engine, bursts in burst_plan(plan).items() for index, n, m in bursts}
+
+
 #: B's limited burst decodes this many times longer, so that it still runs well after
-#: `kvctl` (a Python start) has lowered the limit.
+#: `kvctl` (a Python start) has lowered the limit. It also has twice the requests: B gets
+#: under its limit only as running requests finish, and the check needs the burst to go on
+#: under it, admitting the ones still waiting (with one burst's worth, the last ones could
+#: end within 0.1 s of it on a fast machine: measured, 8 samples).
 LONG = 6
 
 
@@ -322,7 +326,7 @@ class Stage:
                      sum(t is not None for t in got))
         ref = self.reference.get(f"{engine}{index}")
         if ref is not None:
-            done.mismatches, done.margins = differences(got, ref)
+            done.differences = differences(got, ref)
         done.peak_bytes = self.sampler.peak(engine, start)
         self.result.bursts.append(done)
         return done
@@ -335,29 +339,53 @@ class Stage:
         self.result.idle_bytes.setdefault(engine, []).append(self.sampler.latest(engine))
 
 
-def native_side(plan: SharingPlan, work: Path, result: SharingResult) -> dict[str, list[list[int]]]:
+def native_side(plan: SharingPlan, work: Path, result: SharingResult) -> Reference:
     """Native servers, half the budget each: the reference tokens (every compared request
-    alone) and the same bursts concurrently (their durations, and the noise floor)."""
-    specs = [(ServerSpec(f"native-{label}", False), path) for label, path in models(work).items()]
+    alone), the same bursts concurrently (their durations, and the noise floor), and the
+    retrial's negative control (`plant`ed in A's first burst, retried there)."""
     reference: Reference = {}
-    with two_servers(specs, work / "logs", plan.budget_bytes // 2) as servers:
+    with two_servers(_native_specs(work), work / "logs", plan.budget_bytes // 2) as servers:
         by = dict(zip(("A", "B"), servers, strict=True))
-        for engine, bursts in burst_plan(plan).items():
-            for index, n, m in bursts:
-                reference[f"{engine}{index}"] = [by[engine].complete_with_margins(p, m)
-                                                 for p in prompts(plan, engine, index, n)]
+        bursts = compared_bursts(plan)
+        for key, (engine, batch, m) in bursts.items():
+            reference[key] = [by[engine].complete_with_margins(p, m) for p in batch]
         t0 = time.monotonic()
-        side_by_side = [(e, i, n, m) for e, bursts in burst_plan(plan).items() for i, n, m in bursts
-                        if f"{e}{i}" in ("A0", "B0", "B1", f"B{2 + plan.cycles}")]
-        for engine, index, n, m in side_by_side:
-            batch = prompts(plan, engine, index, n)
+        for key in ("A0", "B0", "B1", f"B{2 + plan.cycles}"):
+            engine, batch, m = bursts[key]
             start = time.monotonic() - t0
             got = send_burst(by[engine], batch, m)
-            mism, margins = differences(got, reference[f"{engine}{index}"])
-            result.native_bursts.append(Burst(engine, f"{engine}{index}", round(start, 3),
-                                              round(time.monotonic() - t0, 3), len(batch),
-                                              sum(t is not None for t in got), mism, margins, plan.budget_bytes // 2))
+            result.native_bursts.append(Burst(engine, key, round(start, 3), round(time.monotonic() - t0, 3),
+                                              len(batch), sum(t is not None for t in got),
+                                              differences(got, reference[key]), plan.budget_bytes // 2))
+        planted = retrial.plant(reference["A0"], random.Random(0))
+        result.planted = retry_in_burst(plan, by["A"], "A0", planted, random.Random(1))
     return reference
+
+
+def retrial_side(plan: SharingPlan, work: Path, result: SharingResult) -> None:
+    """Every difference of kvcached's compared bursts (up to `MAX_RETRIED`) retried on native
+    servers, half the budget each (`retrial.retry`); none started when nothing differs."""
+    keys = compared_bursts(plan)
+    pending = [(burst, k) for burst in result.bursts if burst.label in keys
+               for k, d in enumerate(burst.differences) if d.first >= 0][:MAX_RETRIED]
+    if not pending:
+        return
+    rng = random.Random(2)
+    with two_servers(_native_specs(work, "-retrial"), work / "logs", plan.budget_bytes // 2) as servers:
+        by = dict(zip(("A", "B"), servers, strict=True))
+        for burst, k in pending:
+            burst.differences[k] = retry_in_burst(plan, by[burst.engine], burst.label, burst.differences[k], rng)
+
+
+def retry_in_burst(plan: SharingPlan, server: Server, key: str, d: Difference, rng: random.Random) -> Difference:
+    """`retrial.retry` of request ``d.position`` of burst ``key`` beside others of that burst."""
+    _, batch, m = compared_bursts(plan)[key]
+    companions = [(p, m) for i, p in enumerate(batch) if i != d.position]
+    return retrial.retry(server, batch[d.position], d, companions, plan.retrials, plan.burst, rng)
+
+
+def _native_specs(work: Path, suffix: str = "") -> list[tuple[ServerSpec, Path]]:
+    return [(ServerSpec(f"native-{label}{suffix}", False), path) for label, path in models(work).items()]
 
 
 def shared_side(plan: SharingPlan, work: Path, reference: Reference,
@@ -409,7 +437,7 @@ def limited_burst(stage: Stage) -> None:
     limit = int(plan.budget_bytes * plan.limit_fraction)
     result.limit_b_bytes = limit
     with ThreadPoolExecutor(max_workers=1) as pool:
-        running = pool.submit(stage.burst, "B", 1, None, "", LONG * plan.max_tokens)
+        running = pool.submit(stage.burst, "B", 1, 2 * plan.burst, "", LONG * plan.max_tokens)
         wait_until(lambda: stage.sampler.latest("B") > limit, 60.0)
         stage.mark("kvctl limit B")
         kvctl(stage.record, "limit", stage.names["B"], str(limit))
@@ -448,10 +476,12 @@ def kill_a(stage: Stage) -> None:
 
 
 def run(plan: SharingPlan, work: Path) -> SharingResult:
-    """Native side first (reference tokens, static split), then the shared kvcached side."""
+    """Native side first (reference tokens, static split, the planted control), then the
+    shared kvcached side, then the retrial of its differences on native."""
     work.mkdir(parents=True, exist_ok=True)
     result = SharingResult(plan=asdict(plan))
     reference = native_side(plan, work, result)
     shared_side(plan, work, reference, result)
+    retrial_side(plan, work, result)
     result.save(work / "result.json")
     return result

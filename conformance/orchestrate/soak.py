@@ -22,7 +22,8 @@ changes batch shapes, and CPU kernels round by batch shape). A difference is exp
 when native itself, in one of those runs, chooses the soaked token at the first differing
 position; its margin is reported beside it. Every run also plants one difference of its own
 (a native output with one token changed where native's margin is ordinary) and retries it
-the same way: it must be caught, which shows the comparison and the retrial can fail.
+the same way: it must be caught, which shows the comparison and the retrial can fail
+(`conformance.orchestrate.retrial`, shared with the sharing run).
 
 The *native control* (``candidate="native"``) soaks a native server the same way and replays
 its requests against a second native server. Its differences are the rate native
@@ -44,12 +45,13 @@ from pathlib import Path
 
 from conformance.cases import ARCHETYPES
 from conformance.models import FIRST_FREE_TOKEN, VOCAB_SIZE, ensure_model
+from conformance.orchestrate import retrial
+from conformance.orchestrate.retrial import Difference
 from conformance.orchestrate.serve import Server, ServerError, ServerSpec, serving, with_tokenizer
-from conformance.orchestrate.sharing import first_difference, open_descriptors, settled_descriptors
+from conformance.orchestrate.sharing import open_descriptors, settled_descriptors
 
 RSS_TOLERANCE = 0.05
 MAX_RETRIED = 20  # differences retried on native; any beyond stay unexplained
-PLANTED_MARGIN = 0.05  # the planted difference sits where native's margin is at least this
 CANDIDATES = ("kvcached", "native")
 
 
@@ -78,26 +80,6 @@ class Request:
     prompt: list[int]
     max_tokens: int
     abort_after_s: float | None  # None: runs to the end
-
-
-@dataclass(frozen=True)
-class Difference:
-    """A completed request whose soaked tokens differ from native's replay, and what the
-    retrial on native found."""
-
-    position: int  # in `SoakResult.completed`
-    request: int  # `Request.index`
-    first: int  # the first differing token; -1: the soaked side gave another length
-    soaked_token: int
-    native_token: int
-    margin: float  # native's logprob margin at `first` (-1 with it)
-    retrials: int = 0
-    reproduced: int = 0  # retrials in which native chose `soaked_token` at `first`
-
-    @property
-    def explained(self) -> bool:
-        """Native itself gives the soaked token there, in some batch mix."""
-        return self.reproduced > 0
 
 
 @dataclass
@@ -333,60 +315,28 @@ def native_side(plan: SoakPlan, work: Path, result: SoakResult) -> None:
 
 
 def find_differences(completed: Sequence[tuple[Request, list[int]]],
-                     ref: Sequence[tuple[list[int], list[float]]]) -> list[Difference]:
+                     ref: Sequence[retrial.Reference]) -> list[Difference]:
     """Requests whose soaked tokens differ from native's, each at its first differing token."""
     if len(completed) != len(ref):
         raise ServerError(f"{len(completed)} results against {len(ref)} references")
-    out = []
-    for pos, ((req, got), (want, margins)) in enumerate(zip(completed, ref, strict=True)):
-        if got == want:
-            continue
-        if len(got) != len(want):
-            out.append(Difference(pos, req.index, -1, -1, -1, -1.0))
-            continue
-        first = first_difference(got, want)
-        out.append(Difference(pos, req.index, first, got[first], want[first], round(margins[first], 8)))
-    return out
+    found = (retrial.compare(pos, req.index, got, want)
+             for pos, ((req, got), want) in enumerate(zip(completed, ref, strict=True)))
+    return [d for d in found if d is not None]
 
 
-def plant(completed: Sequence[tuple[Request, list[int]]], ref: Sequence[tuple[list[int], list[float]]],
+def plant(completed: Sequence[tuple[Request, list[int]]], ref: Sequence[retrial.Reference],
           rng: random.Random) -> Difference:
-    """A difference native does not give: a native output with one token replaced by a random
-    other one, where native's margin is at least `PLANTED_MARGIN` (no batch mix flips that)."""
-    span = VOCAB_SIZE - FIRST_FREE_TOKEN
-    for pos, ((req, _), (want, margins)) in enumerate(zip(completed, ref, strict=True)):
-        at = next((i for i, m in enumerate(margins) if m >= PLANTED_MARGIN), None)
-        if at is None:
-            continue
-        other = FIRST_FREE_TOKEN + (want[at] - FIRST_FREE_TOKEN + rng.randrange(1, span)) % span
-        [found] = find_differences([(req, want[:at] + [other] + want[at + 1:])], [(want, margins)])
-        return dataclasses.replace(found, position=pos)
-    raise ServerError(f"no completed request has a token with a native margin of {PLANTED_MARGIN} or more")
+    """`retrial.plant` over the completed requests' references (``request``: the soak's id)."""
+    planted = retrial.plant(ref, rng)
+    return dataclasses.replace(planted, request=completed[planted.position][0].index)
 
 
 def retry(server: Server, completed: Sequence[tuple[Request, list[int]]], d: Difference, plan: SoakPlan,
           rng: random.Random) -> Difference:
-    """Run the request of ``d`` on native ``plan.retrials`` times, the i-th beside ``i mod clients``
-    other completed requests, each of them sent after a random delay of up to 0.3 s, so that
-    the request meets other batch shapes each time; count the runs that choose the soaked token."""
-    if d.first < 0:
-        return d
+    """`retrial.retry` of ``d``'s request beside up to ``plan.clients - 1`` other completed ones."""
     target = completed[d.position][0]
-    others = [r for r, _ in completed if r.index != target.index]
-    hits = 0
-    for i in range(plan.retrials):
-        mix = rng.sample(others, min(i % plan.clients, len(others)))
-        jobs = [(target.prompt, d.first + 1)] + [(r.prompt, r.max_tokens) for r in mix]
-        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-            runs = [pool.submit(_delayed, server, prompt, n, rng.uniform(0.0, 0.3)) for prompt, n in jobs]
-            outputs = [f.result() for f in runs]  # every one: a failed companion is an error too
-        hits += outputs[0][d.first] == d.soaked_token
-    return dataclasses.replace(d, retrials=plan.retrials, reproduced=hits)
-
-
-def _delayed(server: Server, prompt: Sequence[int], max_tokens: int, delay_s: float) -> list[int]:
-    time.sleep(delay_s)
-    return server.complete(prompt, max_tokens, timeout_s=300.0)
+    others = [(r.prompt, r.max_tokens) for r, _ in completed if r.index != target.index]
+    return retrial.retry(server, target.prompt, d, others, plan.retrials, plan.clients, rng)
 
 
 def run(plan: SoakPlan, work: Path) -> SoakResult:

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from conformance.orchestrate.sharing import TIE
+from conformance.orchestrate.retrial import TIE
 from conformance.orchestrate.soak import CANDIDATES, Difference, Sample, SoakPlan, SoakResult, run, to_json
 
 MiB = 1 << 20

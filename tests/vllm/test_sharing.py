@@ -1,17 +1,20 @@
 """Several engines, one budget, as users run it: two `vllm serve` engines (tiny llama and tiny
 qwen3, each a multiprocess engine) share one budget record over HTTP, against two native
 servers splitting the same memory. The scenario is `conformance.orchestrate.sharing`
-(quick plan: 3 burst/idle cycles); every check of its report must hold.
+(quick plan: 3 burst/idle cycles); every check of its report must hold, the planted token
+difference included (retried on the real native servers, never given by native).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from conformance.orchestrate.sharing import TIE, MiB, SharingPlan, SharingResult, run
+from conformance.orchestrate.retrial import Difference
+from conformance.orchestrate.sharing import MiB, SharingPlan, SharingResult, run
 from conformance.orchestrate.sharing_report import checks
 
 pytestmark = [pytest.mark.multiprocess]  # every wait in the scenario is bounded (starts, requests, idles)
@@ -25,6 +28,9 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> SharingResult:
 def test_every_check_holds(shared: SharingResult) -> None:
     failed = [f"{c.name}: {c.detail}" for c in checks(shared) if not c.ok]
     assert not failed, failed
+    # The planted difference was retried on the real native servers, and native never chose it.
+    assert shared.planted is not None and (shared.planted.retrials, shared.planted.reproduced) == (8, 0)
+    assert shared.planted.margin >= 0.05
 
 
 def test_the_scenario_ran_whole(shared: SharingResult) -> None:
@@ -52,10 +58,14 @@ def test_each_check_sees_a_real_failure(shared: SharingResult) -> None:
         "file descriptors and memfds do not grow"}
     assert failing(lambda r: r.idle_bytes["B"].append(r.watermark_bytes["B"] + 1)) == {
         "every idle point at the watermark"}
-    tokens = f"tokens exact but at near-ties (reference margin < {TIE:g})"
-    assert failing(lambda r: r.bursts[0].margins.append(0.5)) == {tokens}  # a flip at an ordinary margin
-    assert failing(lambda r: r.bursts[0].margins.append(-1.0)) == {tokens}  # a failed or cut request
-    assert failing(lambda r: r.bursts[0].margins.append(TIE / 10)) == set()  # a near-tie is explained
+    tokens, planted = "every token difference is one native also gives", "the planted difference is caught"
+    unexplained = Difference(3, 3, 5, 10, 11, 1e-7, retrials=8, reproduced=0)  # even at a near-tie
+    assert failing(lambda r: r.bursts[0].differences.append(unexplained)) == {tokens}
+    assert failing(lambda r: r.bursts[0].differences.append(Difference(3, 3, -1, -1, -1, -1.0))) == {tokens}  # cut
+    explained = dataclasses.replace(unexplained, margin=0.5, reproduced=1)  # native gave it in one batch mix
+    assert failing(lambda r: r.bursts[0].differences.append(explained)) == set()
+    assert failing(lambda r: setattr(r, "planted", dataclasses.replace(r.planted, reproduced=1))) == {planted}
+    assert failing(lambda r: setattr(r, "planted", None)) == {planted}
     assert failing(lambda r: setattr(r, "b_after_kill_peak_bytes", 0)) == {"B took the memory of A after SIGKILL"}
 
 
@@ -66,3 +76,8 @@ def test_reports_are_written(shared: SharingResult, tmp_path: Path) -> None:
     text = markdown(shared, checks(shared), "pytest")
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
     assert "| budget never exceeded | yes |" in text and "![timeline](timeline.png)" in text
+    assert "| planted in A0 (control) | " in text and "| 0 of 8 | NO |" in text
+    shared.save(tmp_path / "result.json")  # what `--render` reads back (JSON: tuples come back as lists)
+    loaded = SharingResult.load(tmp_path / "result.json")
+    assert (loaded.bursts, loaded.native_bursts, loaded.planted) == (shared.bursts, shared.native_bursts, shared.planted)
+    assert checks(loaded) == checks(shared)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from conformance.orchestrate.retrial import PLANTED_MARGIN
 from conformance.orchestrate.soak import (
-    PLANTED_MARGIN,
     Difference,
     Request,
     Sample,
