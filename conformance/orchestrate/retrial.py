@@ -31,6 +31,7 @@ from conformance.orchestrate.serve import Server, ServerError
 #: logprobs by about 1e-5; the margins of a random tiny model are mostly 1e-2 and more).
 TIE = 1e-3
 PLANTED_MARGIN = 0.05  # the planted difference sits where native's margin is at least this
+MAX_RETRIED = 20  # differences retried on native per run; any beyond stay unexplained
 MAX_DELAY_S = 0.3  # each request of a retrial is sent after a random delay of up to this
 
 #: One native reference: the greedy tokens and, at each position, the margin of each.
@@ -73,6 +74,16 @@ def compare(position: int, request: int, got: Sequence[int] | None, ref: Referen
     return Difference(position, request, first, got[first], want[first], round(margins[first], 8))
 
 
+def differences(got: Sequence[Sequence[int] | None], refs: Sequence[Reference],
+                requests: Sequence[int]) -> list[Difference]:
+    """`compare` of each served output with its reference, the differing ones (``position``:
+    the index in ``got``; ``request``: the matching entry of ``requests``)."""
+    if not len(got) == len(refs) == len(requests):
+        raise ServerError(f"{len(got)} results against {len(refs)} references ({len(requests)} requests)")
+    found = (compare(pos, req, tokens, ref) for pos, (tokens, ref, req) in enumerate(zip(got, refs, requests, strict=True)))
+    return [d for d in found if d is not None]
+
+
 def plant(refs: Sequence[Reference], rng: random.Random) -> Difference:
     """A difference native does not give: the first reference with a margin of at least
     `PLANTED_MARGIN` somewhere (no batch mix flips that), its token there replaced by a
@@ -97,9 +108,9 @@ def retry(server: Server, prompt: Sequence[int], d: Difference, companions: Sequ
     runs that choose the served token. A difference of another length is not retried."""
     if d.first < 0:
         return d
-    hits = 0
+    hits, others = 0, list(companions)
     for i in range(retrials):
-        mix = rng.sample(list(companions), min(i % max_mix, len(companions)))
+        mix = rng.sample(others, min(i % max_mix, len(others)))
         jobs = [(prompt, d.first + 1), *mix]
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
             runs = [pool.submit(_delayed, server, p, n, rng.uniform(0.0, MAX_DELAY_S)) for p, n in jobs]

@@ -46,7 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -59,7 +59,6 @@ from conformance.procfs import descriptors
 
 MiB = 1 << 20
 ENGINES = (("A", "llama"), ("B", "qwen3"))  # engine label -> archetype (two different models)
-MAX_RETRIED = 20  # differences retried on native; any beyond stay unexplained
 Reference = dict[str, list[retrial.Reference]]  # burst key -> (tokens, margins) per request
 
 
@@ -155,10 +154,7 @@ def prompts(plan: SharingPlan, engine: str, burst: int, n: int | None = None) ->
 def differences(got: Sequence[list[int] | None], ref: Sequence[retrial.Reference]) -> list[Difference]:
     """The requests of a burst whose tokens differ from the reference (a failed one too: ``first``
     -1), each where it first differs; ``position`` is the request's index in the burst."""
-    if len(got) != len(ref):
-        raise ServerError(f"{len(got)} results against {len(ref)} references")
-    found = (retrial.compare(i, i, tokens, want) for i, (tokens, want) in enumerate(zip(got, ref, strict=True)))
-    return [d for d in found if d is not None]
+    return retrial.differences(got, ref, range(len(got)))
 
 
 def send_burst(server: Server, batch: Sequence[Sequence[int]], max_tokens: int) -> list[list[int] | None]:
@@ -235,17 +231,22 @@ def kvctl(record: Path, *args: str) -> str:
 
 # ---- servers ------------------------------------------------------------------------------------
 @contextmanager
-def two_servers(specs: Sequence[tuple[ServerSpec, Path]], logs: Path, kv_bytes: int) -> Iterator[list[Server]]:
-    """Both servers launched at once, waited for, stopped (SIGTERM) at exit."""
+def two_servers(specs: dict[str, tuple[ServerSpec, Path]], logs: Path, kv_bytes: int) -> Iterator[dict[str, Server]]:
+    """Both servers (by engine label) launched at once, waited for, stopped (SIGTERM) at exit."""
     with ExitStack() as stack:
-        servers = []
-        for spec, model in specs:
-            server = start_server(spec, model, logs, max_model_len=1024, kv_cache_bytes=kv_bytes)
-            stack.callback(server.stop)
-            servers.append(server)
-        for server in servers:
+        servers = {}
+        for label, (spec, model) in specs.items():
+            servers[label] = start_server(spec, model, logs, max_model_len=1024, kv_cache_bytes=kv_bytes)
+            stack.callback(servers[label].stop)
+        for server in servers.values():
             server.wait_healthy(300.0)
         yield servers
+
+
+def native_servers(plan: SharingPlan, work: Path, suffix: str = "") -> AbstractContextManager[dict[str, Server]]:
+    """`two_servers`, native, each with half the budget: the user's static split."""
+    specs = {label: (ServerSpec(f"native-{label}{suffix}", False), path) for label, path in models(work).items()}
+    return two_servers(specs, work / "logs", plan.budget_bytes // 2)
 
 
 def models(work: Path) -> dict[str, Path]:
@@ -348,8 +349,7 @@ def native_side(plan: SharingPlan, work: Path, result: SharingResult) -> Referen
     alone), the same bursts concurrently (their durations, and the noise floor), and the
     retrial's negative control (`plant`ed in A's first burst, retried there)."""
     reference: Reference = {}
-    with two_servers(_native_specs(work), work / "logs", plan.budget_bytes // 2) as servers:
-        by = dict(zip(("A", "B"), servers, strict=True))
+    with native_servers(plan, work) as by:
         bursts = compared_bursts(plan)
         for key, (engine, batch, m) in bursts.items():
             reference[key] = [by[engine].complete_with_margins(p, m) for p in batch]
@@ -367,16 +367,15 @@ def native_side(plan: SharingPlan, work: Path, result: SharingResult) -> Referen
 
 
 def retrial_side(plan: SharingPlan, work: Path, result: SharingResult) -> None:
-    """Every difference of kvcached's compared bursts (up to `MAX_RETRIED`) retried on native
+    """Every difference of kvcached's compared bursts (up to `retrial.MAX_RETRIED`) retried on native
     servers, half the budget each (`retrial.retry`); none started when nothing differs."""
     keys = compared_bursts(plan)
     pending = [(burst, k) for burst in result.bursts if burst.label in keys
-               for k, d in enumerate(burst.differences) if d.first >= 0][:MAX_RETRIED]
+               for k, d in enumerate(burst.differences) if d.first >= 0][:retrial.MAX_RETRIED]
     if not pending:
         return
     rng = random.Random(2)
-    with two_servers(_native_specs(work, "-retrial"), work / "logs", plan.budget_bytes // 2) as servers:
-        by = dict(zip(("A", "B"), servers, strict=True))
+    with native_servers(plan, work, "-retrial") as by:
         for burst, k in pending:
             burst.differences[k] = retry_in_burst(plan, by[burst.engine], burst.label, burst.differences[k], rng)
 
@@ -388,22 +387,18 @@ def retry_in_burst(plan: SharingPlan, server: Server, key: str, d: Difference, r
     return retrial.retry(server, batch[d.position], d, companions, plan.retrials, plan.burst, rng)
 
 
-def _native_specs(work: Path, suffix: str = "") -> list[tuple[ServerSpec, Path]]:
-    return [(ServerSpec(f"native-{label}{suffix}", False), path) for label, path in models(work).items()]
-
-
 def shared_side(plan: SharingPlan, work: Path, reference: Reference,
                 result: SharingResult) -> None:
     """The kvcached scenario (module docstring, steps 1-5) on two engines sharing a record."""
     record = work / "host.budget"
     names = {label: f"{label}-{arch}" for label, arch in ENGINES}
-    specs = [(ServerSpec(f"kvcached-{label}", True, extra_env=plan.engine_env(names[label], record)), path)
-             for label, path in models(work).items()]
+    specs = {label: (ServerSpec(f"kvcached-{label}", True, extra_env=plan.engine_env(names[label], record)), path)
+             for label, path in models(work).items()}
     # The virtual capacity: the budget itself (each engine could take all of it).
     with two_servers(specs, work / "logs", plan.budget_bytes) as servers:
         sampler = Sampler(record, names, plan.sample_hz, time.monotonic())
         sampler.start()
-        stage = Stage(plan, dict(zip(("A", "B"), servers, strict=True)), names, sampler, reference, result, record)
+        stage = Stage(plan, servers, names, sampler, reference, result, record)
         try:
             for label, server in stage.servers.items():
                 result.watermark_bytes[label] = (1 + plan.max_reserve_pages) * kv_page_bytes(server)

@@ -51,7 +51,6 @@ from conformance.orchestrate.serve import Server, ServerError, ServerSpec, servi
 from conformance.orchestrate.sharing import open_descriptors, settled_descriptors
 
 RSS_TOLERANCE = 0.05
-MAX_RETRIED = 20  # differences retried on native; any beyond stay unexplained
 CANDIDATES = ("kvcached", "native")
 
 
@@ -309,7 +308,7 @@ def native_side(plan: SoakPlan, work: Path, result: SoakResult) -> None:
                             result.completed))
         found = find_differences(result.completed, ref)
         rng = random.Random(plan.seed)
-        result.differences = [retry(server, result.completed, d, plan, rng) if i < MAX_RETRIED else d
+        result.differences = [retry(server, result.completed, d, plan, rng) if i < retrial.MAX_RETRIED else d
                               for i, d in enumerate(found)]
         result.planted = retry(server, result.completed, plant(result.completed, ref, rng), plan, rng)
 
@@ -317,11 +316,7 @@ def native_side(plan: SoakPlan, work: Path, result: SoakResult) -> None:
 def find_differences(completed: Sequence[tuple[Request, list[int]]],
                      ref: Sequence[retrial.Reference]) -> list[Difference]:
     """Requests whose soaked tokens differ from native's, each at its first differing token."""
-    if len(completed) != len(ref):
-        raise ServerError(f"{len(completed)} results against {len(ref)} references")
-    found = (retrial.compare(pos, req.index, got, want)
-             for pos, ((req, got), want) in enumerate(zip(completed, ref, strict=True)))
-    return [d for d in found if d is not None]
+    return retrial.differences([got for _, got in completed], ref, [req.index for req, _ in completed])
 
 
 def plant(completed: Sequence[tuple[Request, list[int]]], ref: Sequence[retrial.Reference],

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.orchestrate.retrial import Difference
+from conformance.orchestrate.retrial import PLANTED_MARGIN, Difference
 from conformance.orchestrate.sharing import MiB, SharingPlan, SharingResult, run
 from conformance.orchestrate.sharing_report import checks
 
@@ -30,7 +30,7 @@ def test_every_check_holds(shared: SharingResult) -> None:
     assert not failed, failed
     # The planted difference was retried on the real native servers, and native never chose it.
     assert shared.planted is not None and (shared.planted.retrials, shared.planted.reproduced) == (8, 0)
-    assert shared.planted.margin >= 0.05
+    assert shared.planted.margin >= PLANTED_MARGIN
 
 
 def test_the_scenario_ran_whole(shared: SharingResult) -> None:
