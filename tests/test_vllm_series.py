@@ -23,7 +23,7 @@ HYBRID = {"enable_prefix_caching": True, "prefix_match_unit": 16}
 
 def _archetype_kwargs(a: C.Archetype) -> dict[str, Any]:
     """What the engine worker passes before the table (see ``CaseRunner._engine_kwargs``)."""
-    return {"dtype": a.dtype, "enable_prefix_caching": True, **dict(a.engine_kwargs)}
+    return {"dtype": a.model.torch_dtype, "enable_prefix_caching": True, **dict(a.engine_kwargs)}
 
 
 def test_rows_per_series() -> None:
@@ -124,3 +124,12 @@ def test_a_native_defect_is_named_only_where_and_as_it_raises() -> None:
     assert vs.native_defect("0.32.0", err, "forward") is None
     assert vs.native_defect("0.32.0", "IndexError: list index out of range", "conv_ssm_forward") is None
     assert vs.native_defect("0.32.0", "RuntimeError: " + err, "conv_ssm_forward") is None
+
+
+def test_with_amx_tiles_mamba2_mixers_run_in_bf16_on_every_series() -> None:
+    for version in ("0.26.0", "0.27.1", "0.28.0", "0.29.0"):
+        lim = vs.limits_for(version, amx=True)
+        assert not lim.causal_conv_float32
+        assert vs.engine_overrides("nemotron_h", {"dtype": "float32", **HYBRID}, lim)["dtype"] == "bfloat16"
+    assert vs.limits_for("0.28.0", amx=True).attention_block_multiple == 16  # nothing else changes
+    assert vs.limits_for("0.28.0", amx=False) == V028
