@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from conformance.models import MODEL_SPECS, ModelSpec
+from conformance.models import ModelSpec, model_spec
 from kvcached.faults import FaultRule
 
 
@@ -170,11 +170,12 @@ class Archetype:
 
     @property
     def model(self) -> ModelSpec:
-        return MODEL_SPECS[self.name]
+        """The CPU model (the tests' and the servers' tiny model)."""
+        return model_spec(self.name)
 
-    @property
-    def dtype(self) -> str:
-        return self.model.torch_dtype
+    def model_on(self, device: str) -> ModelSpec:
+        """The model a run on ``device`` uses (`conformance.models.model_spec`)."""
+        return model_spec(self.name, device)
 
 
 ARCHETYPES: dict[str, Archetype] = {
@@ -269,6 +270,10 @@ class Case:
     max_tokens: int = 16
     top_logprobs: int = 5
     layout: Layout = Layout.INPROC
+    #: torch.compile and CUDA graphs (vLLM's default) instead of eager execution.
+    compiled: bool = False
+    #: The attention backend, by vLLM's name; None: the run's device profile decides.
+    attention: str | None = None
     tags: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -295,6 +300,10 @@ class Case:
             parts.append(self.control.value)
         if self.layout is not Layout.INPROC:
             parts.append(self.layout.value)
+        if self.compiled:
+            parts.append("graphs")
+        if self.attention is not None:
+            parts.append(self.attention.lower().replace("_", ""))
         return "-".join(parts)
 
     @property
@@ -308,6 +317,10 @@ class Case:
         text = f"{self.archetype.name}, {self.pattern.value}, {self.lengths.value} lengths, {pc}, {sched}"
         if self.layout is not Layout.INPROC:
             text += {Layout.MP: ", multiprocess engine", Layout.TP2: ", tensor parallel 2"}[self.layout]
+        if self.compiled:
+            text += ", compiled with CUDA graphs"
+        if self.attention is not None:
+            text += f", {self.attention}"
         if not self.fault.is_none:
             text = f"{self.fault.description} ({text})"
         return text
@@ -325,6 +338,8 @@ class Case:
             "max_tokens": self.max_tokens,
             "top_logprobs": self.top_logprobs,
             "layout": self.layout.value,
+            "compiled": self.compiled,
+            "attention": self.attention,
         }
 
     @classmethod
@@ -340,6 +355,8 @@ class Case:
             max_tokens=int(data["max_tokens"]),
             top_logprobs=int(data["top_logprobs"]),
             layout=Layout(data["layout"]),
+            compiled=bool(data.get("compiled", False)),
+            attention=data.get("attention"),
         )
 
 
@@ -429,6 +446,62 @@ def quick_matrix() -> list[Case]:
         Case(llama, Scheduling.SYNC, layout=Layout.TP2),
     ]
     return cases + control_cases(("llama",))
+
+
+#: FlashAttention 3, vLLM 0.26's own choice on Hopper: native is history-dependent with it
+#: (`conformance.device`), so its rows come with their own native baseline.
+FA3 = "FLASH_ATTN"
+#: Attention backends whose native baseline measures a floor instead of having to be exact
+#: (`conformance.orchestrate.compare.judge_against_native_floor`).
+NATIVE_FLOOR_BACKENDS = frozenset({FA3})
+
+
+def cuda_matrix(quick: bool = False) -> list[Case]:
+    """The matrix of a CUDA run (`conformance.device`): CUDA geometry, Triton attention for
+    the exact rows, and what only a GPU engine does: torch.compile with CUDA graphs, vLLM's
+    default multiprocess engine with the async scheduler, and FlashAttention 3 beside its own
+    native baseline. ``quick``: one case of each kind that matters most (a few minutes)."""
+    A, S, P = ARCHETYPES, Scheduling, PrefixPattern
+    sync, asyn = S.SYNC, S.ASYNC
+    llama, nem = A["llama"], A["nemotron_h"]
+    users_default = {"layout": Layout.MP, "compiled": True}  # what `vllm serve` runs
+    cases = [
+        Case(llama, sync),
+        Case(llama, asyn, pattern=P.SHARED_CONCURRENT),
+        Case(llama, sync, compiled=True),
+        Case(llama, asyn, pattern=P.SHARED_CONCURRENT, **users_default),
+        Case(llama, asyn, pattern=P.SHARED_CONCURRENT, attention=FA3, **users_default),
+        Case(nem, sync, pattern=P.PARTIAL_COW, fault=COW_ADMISSION_X2),
+        Case(nem, asyn, pattern=P.PARTIAL_COW, compiled=True),
+        Case(llama, sync, fault=MAP_MID_ALLOCATION),
+        Case(llama, sync, lengths=LengthSet.EXTENDED, pattern=P.SHARED_CONCURRENT, fault=TINY_BUDGET),
+    ]
+    controls = [Case(llama, sync, control=Control.BASELINE), Case(llama, sync, control=Control.NEG_KV),
+                Case(llama, asyn, pattern=P.SHARED_CONCURRENT, attention=FA3, control=Control.BASELINE,
+                     **users_default)]
+    if quick:
+        return cases + controls
+    for name in ("llama", "qwen3"):
+        a = A[name]
+        cases += [Case(a, s, pattern=pat) for s in (sync, asyn) for pat in (P.WARM_THEN_ALL, P.SHARED_CONCURRENT)
+                  if (a, s, pat) != (llama, sync, P.WARM_THEN_ALL) and (a, s, pat) != (llama, asyn, P.SHARED_CONCURRENT)]
+        cases += [Case(a, sync, prefix_caching=False), Case(a, asyn, compiled=True, layout=Layout.MP)]
+    cases += [Case(llama, sync, attention=FA3), Case(A["qwen3"], sync, fault=MAP_MID_ALLOCATION),
+              Case(llama, asyn, fault=CACHED_CAP)]
+    for name in ("mamba2", "nemotron_h", "granitemoehybrid", "falcon_h1", "qwen3_next", "qwen3_5"):
+        a = A[name]
+        cases += [Case(a, sync), Case(a, asyn)]
+        if a.partial_hits:
+            cases += [Case(a, sync, pattern=P.PARTIAL_COW)]
+            if a is not nem:
+                cases += [Case(a, sync, pattern=P.PARTIAL_COW, fault=COW_ADMISSION_X2)]
+    cases += [Case(A["mamba2"], sync, prefix_caching=False), Case(nem, sync, fault=MAP_MID_ALLOCATION),
+              Case(nem, sync, lengths=LengthSet.EXTENDED, pattern=P.SHARED_CONCURRENT, fault=TINY_BUDGET),
+              Case(nem, asyn, pattern=P.PARTIAL_COW, fault=COW_ADMISSION_X2, **users_default)]
+    controls += [Case(llama, sync, control=Control.NEG_WEIGHTS), Case(llama, sync, attention=FA3,
+                 control=Control.BASELINE), Case(nem, sync, control=Control.BASELINE),
+                 Case(nem, sync, control=Control.NEG_KV)]
+    return cases + controls
 
 
 def sweep_matrix(quick: bool = False) -> list[Case]:

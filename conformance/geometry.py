@@ -28,6 +28,7 @@ from typing import Any
 from pydantic import ConfigDict
 
 from conformance.cases import LengthSet
+from conformance.device import PROFILES, Device, DeviceProfile
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class Geometry:
     max_model_len: int
     page_size_bytes: int  # kvcached VMM page size
     page_size_source: str  # "configured" (given to the harness) | "derived" (from the strides)
+    device: str = "cpu"  # where the KV lives (`conformance.device`)
 
     # Validated strictly where it crosses a process boundary (``conformance.results``).
     __pydantic_config__ = ConfigDict(extra="forbid")
@@ -77,18 +79,15 @@ class Geometry:
         return cls(**d)
 
 
-OS_PAGE = 4096
-PAGE_TARGET_BYTES = 64 << 10
-
-
-def derive_page_size(block_strides: tuple[int, ...], target: int = PAGE_TARGET_BYTES) -> int:
-    """The smallest multiple of every block stride and of the OS page that is >= ``target``.
+def derive_page_size(block_strides: tuple[int, ...], device: DeviceProfile = PROFILES[Device.CPU]) -> int:
+    """The smallest multiple of every block stride and of the device's page unit (4 KiB on the
+    CPU, 2 MiB on CUDA) that is >= the device's page target (64 KiB on the CPU).
 
     Such a page holds whole blocks of every backing (kvcached refuses others), and a target
     of a few blocks keeps a page boundary within reach of the prompt lengths.
     """
-    unit = math.lcm(OS_PAGE, *block_strides)
-    return unit * max(1, -(-target // unit))
+    unit = math.lcm(device.page_unit, *block_strides)
+    return unit * max(1, -(-device.page_target // unit))
 
 
 def prompt_lengths(geo: Geometry, length_set: LengthSet, max_prompt_len: int) -> list[tuple[str, int]]:

@@ -203,6 +203,47 @@ MODEL_SPECS: dict[str, ModelSpec] = {
 }
 
 
+# ---- CUDA geometry -------------------------------------------------------------------------------
+#: Attention KV of 4 KiB per token and layer in 16-bit floats: a 2 MiB page every 512 tokens.
+_CUDA_ATTN: dict[str, Any] = {"num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 128}
+
+#: What the CUDA profile changes in each model (`conformance.device`): 16-bit weights, as users
+#: serve them (fp32 models stay bf16; fp16 stays fp16), attention wide enough that a 2 MiB page
+#: is reached by a prompt, and, where vLLM would not pad a Mamba page to the attention page, a
+#: state whose size shares the page's power of two. Hybrids' Mamba pages are padded to the
+#: attention page (``Platform._align_hybrid_block_size``), so only their attention matters.
+_CUDA_OVERRIDES: dict[str, dict[str, Any]] = {
+    "llama": _CUDA_ATTN,
+    "qwen3": _CUDA_ATTN,
+    # A pure SSM model keeps its unpadded state page: 30 heads x 32 x state 32 in bf16 plus a
+    # width-3 conv over 960 + 2 x 32 channels is 65,536 bytes, 32 states to a 2 MiB page
+    # (the tiny CPU model's 19,840 bytes share only 2^7 with it: a 310 MiB page).
+    "mamba2": {"hidden_size": 480, "num_heads": 30, "head_dim": 32, "state_size": 32, "conv_kernel": 3},
+    "nemotron_h": _CUDA_ATTN,
+    # head_dim is hidden_size / heads here; the Mamba mixer is 2 x hidden = heads x head.
+    "granitemoehybrid": {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 8,
+                         "mamba_n_heads": 64},
+    # A Mamba state above 64 KiB (32 heads x 32 x state 32 in bf16, plus the conv) makes vLLM
+    # enlarge the attention block past the hash unit in either Mamba cache mode, so partial
+    # prefixes hit (with the CPU dims it stays at 16 tokens: hash == block).
+    "falcon_h1": {**_CUDA_ATTN, "mamba_d_ssm": 1024, "mamba_n_heads": 32, "mamba_d_state": 32},
+    "qwen3_next": _CUDA_ATTN,
+    "qwen3_5": _CUDA_ATTN,
+}
+
+
+def model_spec(name: str, device: str = "cpu") -> ModelSpec:
+    """The tiny model ``name`` as the harness runs it on ``device`` ("cpu" or "cuda")."""
+    spec = MODEL_SPECS[name]
+    if device == "cpu":
+        return spec
+    if device != "cuda":
+        raise ValueError(f"unknown device {device!r}; known: cpu, cuda")
+    config = {**dict(spec.config), **_CUDA_OVERRIDES[name]}
+    dtype = "bfloat16" if spec.torch_dtype == "float32" else spec.torch_dtype
+    return replace(spec, config=tuple(sorted(config.items())), torch_dtype=dtype)
+
+
 def models_dir() -> Path:
     """Root of the model cache: ``$KVCACHED_MODELS_DIR`` or ``~/.cache/kvcached-conformance/models``."""
     env = os.environ.get("KVCACHED_MODELS_DIR")

@@ -103,6 +103,7 @@ class Job(_Strict):
     async_override: bool
     budget_bytes_override: int | None
     entries: list[JobEntry]
+    device: Literal["cpu", "cuda"] = "cpu"  # the run's `conformance.device` profile
 
 
 # ---- engine -> parent -------------------------------------------------------------------

@@ -85,6 +85,7 @@ def _geometry(core: Any) -> dict[str, Any]:
         "tensor_sizes": [int(t.size) for t in kcc.kv_cache_tensors],
         "num_blocks": int(kcc.num_blocks),
         "max_model_len": int(core.vllm_config.model_config.max_model_len),
+        "device": str(core.vllm_config.device_config.device_type),
     }
 
 
@@ -192,7 +193,7 @@ class WorkerAgent:
     def conformance_corrupt_blocks(self, pairs: list[list[Any]]) -> None:
         from conformance.engine import kvsnap
 
-        kvsnap.corrupt_blocks(self, [(int(b), str(layer)) for b, layer in pairs])
+        kvsnap.corrupt_blocks(self, [(int(b), str(layer), int(bs)) for b, layer, bs in pairs])
 
     def conformance_emulate_copy_fault(self, plan_path: str) -> None:
         """Native candidates: fail this rank's block copies as the plan says (site ``copy``)."""

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from conformance.device import profile
 from conformance.engine import agent
 from conformance.geometry import Geometry, derive_page_size
 from conformance.results import CopyFacts, EngineMetrics, KvSnapshotMeta, PoolFacts, ProbeRecord, SchedulerRan
@@ -97,8 +98,9 @@ class EngineHandle:
             num_blocks=num_blocks,
             kv_tensor_bytes=sum(sizes),
             max_model_len=int(g["max_model_len"]),
-            page_size_bytes=int(page_size) if page_size else derive_page_size(strides),
+            page_size_bytes=int(page_size) if page_size else derive_page_size(strides, profile(g["device"])),
             page_size_source="configured" if page_size else "derived",
+            device=g["device"],
         )
 
     def metrics(self) -> EngineMetrics:
@@ -177,7 +179,7 @@ class EngineHandle:
         on every rank. Returns the corrupted block IDs."""
         pairs = self.core_call("prefix_blocks", prefix_tokens)
         self.rank_call("conformance_corrupt_blocks", pairs)
-        return sorted({int(b) for b, _ in pairs})
+        return sorted({int(b) for b, *_ in pairs})
 
     def shutdown(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()

@@ -12,6 +12,10 @@ layer of that KV-cache group, the block's values as float32 arrays:
   (head_size x block_size) followed by V (block_size x head_size) inside the logical
   (heads, block_size, 2*head_size) view. ``verify_cpu_attn_layout`` checks that with vLLM's
   own cache-write kernel before any snapshot relies on it;
+* attention layers on CUDA (FLASH_ATTN, TRITON_ATTN): vLLM's logical per-layer view is
+  (kernel blocks, heads, kernel block size, 2*head_size), K and V packed in the last axis;
+  a hybrid's scheduler block may span several kernel blocks (`attention_block`). K and V of
+  the covered token slots, as on the CPU;
 * Mamba/GDN layers: each recurrent-state view of the block, whole.
 
 Invariants:
@@ -141,13 +145,42 @@ def cached_blocks(scheduler: Any) -> tuple[dict[str, dict[str, Any]], list[Block
     return keys, list(reads.values())
 
 
+#: CUDA attention backends whose layer cache is the packed (blocks, heads, block, 2*head_size) view.
+PACKED_HND_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
+
+
+def attention_block(t: Any, block_id: int, block_size: int) -> Any:
+    """One scheduler block of a packed CUDA attention cache, as (heads, block_size, 2*head_size).
+
+    vLLM may run the kernel on blocks smaller than the scheduler's (a hybrid's attention block
+    is enlarged to the Mamba page; the kernel keeps its own): block ``b`` is then kernel blocks
+    ``b*r .. b*r+r-1`` with ``r = block_size / kernel block``, concatenated along the tokens.
+    """
+    kernel_block = int(t.shape[2])
+    if t.dim() != 4 or block_size % kernel_block or t.shape[3] % 2:
+        raise RuntimeError(f"attention cache {tuple(t.shape)} is not a packed HND view of {block_size}-token blocks")
+    r = block_size // kernel_block
+    part = t[block_id * r : (block_id + 1) * r]  # (r, heads, kernel_block, 2d)
+    return part.permute(1, 0, 2, 3).reshape(part.shape[1], block_size, part.shape[3])
+
+
+def split_packed_block(block: Any, valid: int) -> list[tuple[Any, int | None]]:
+    """[(K (heads, valid, head_size), token axis 1), (V (heads, valid, head_size), token axis 1)]."""
+    d = int(block.shape[-1]) // 2
+    return [(block[:, :valid, :d], 1), (block[:, :valid, d:], 1)]
+
+
 def _block_parts(fwd_ctx: dict[str, Any], read: BlockRead) -> tuple[list[tuple[Any, int | None]], bool]:
     """The arrays of one (block, layer) and their token axes; True if whole blocks only."""
     tensors = _layer_states(fwd_ctx, read.layer)
-    if read.kind in ATTENTION_KINDS and len(tensors) == 1 and _attn_backend_name(fwd_ctx, read.layer) == "CPU_ATTN":
+    backend = _attn_backend_name(fwd_ctx, read.layer) if read.kind in ATTENTION_KINDS else ""
+    valid = valid_tokens(read.num_tokens, read.block_size)
+    if len(tensors) == 1 and backend == "CPU_ATTN":
         t = tensors[0]
         verify_cpu_attn_layout(t.dtype, read.block_size, int(t.shape[-1]) // 2)
-        return split_cpu_attn_block(t[read.block_id], valid_tokens(read.num_tokens, read.block_size)), False
+        return split_cpu_attn_block(t[read.block_id], valid), False
+    if len(tensors) == 1 and backend in PACKED_HND_BACKENDS:
+        return split_packed_block(attention_block(tensors[0], read.block_id, read.block_size), valid), False
     # Recurrent states whole; an unknown attention layout whole too (scratch slots included).
     return [(t[read.block_id], None) for t in tensors], read.kind in ATTENTION_KINDS
 
@@ -172,24 +205,29 @@ def read_blocks(worker: Any, reads: list[BlockRead]) -> dict[str, Any]:
     return {"arrays": arrays, "token_dims": token_dims, "whole_block_layers": sorted(whole)}
 
 
-def corrupt_blocks(worker: Any, block_layers: list[tuple[int, str]]) -> None:
-    """Worker side: add 1.0 to every KV state of the given (block, layer) pairs."""
+def corrupt_blocks(worker: Any, block_layers: list[tuple[int, str, int]]) -> None:
+    """Worker side: add 1.0 to every KV state of the given (block, attention layer, block size)."""
     fwd_ctx = worker.vllm_config.compilation_config.static_forward_context
-    for block_id, layer in block_layers:
+    for block_id, layer, block_size in block_layers:
         for t in _layer_states(fwd_ctx, layer):
-            t[block_id] += 1.0
+            if _attn_backend_name(fwd_ctx, layer) in PACKED_HND_BACKENDS:
+                r = block_size // int(t.shape[2])
+                t[block_id * r : (block_id + 1) * r] += 1.0
+            else:
+                t[block_id] += 1.0
 
 
-def prefix_blocks(scheduler: Any, prefix_tokens: int) -> list[tuple[int, str]]:
-    """EngineCore side: (block, attention layer) pairs of the cached blocks whose primary
+def prefix_blocks(scheduler: Any, prefix_tokens: int) -> list[tuple[int, str, int]]:
+    """EngineCore side: (block, attention layer, block size) of the cached blocks whose primary
     hash covers exactly ``prefix_tokens`` leading tokens (the negative KV control's target)."""
     groups = scheduler.kv_cache_config.kv_cache_groups
-    out: dict[tuple[int, str], None] = {}
+    out: dict[tuple[int, str, int], None] = {}
     for key, entry in _hash_map(scheduler.kv_cache_manager.block_pool).items():
         gid = int.from_bytes(key[-4:], "big")
         if type(groups[gid].kv_cache_spec).__name__ not in ATTENTION_KINDS:
             continue
         for blk in _blocks_of(entry):
             if blk.block_hash_num_tokens == prefix_tokens:
-                out.update(((int(blk.block_id), layer), None) for layer in groups[gid].layer_names)
+                bs = int(groups[gid].kv_cache_spec.block_size)
+                out.update(((int(blk.block_id), layer, bs), None) for layer in groups[gid].layer_names)
     return list(out)

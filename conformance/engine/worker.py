@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from conformance.cases import Case, Control, Scheduling
+from conformance.device import Device, DeviceProfile, profile
 from conformance.engine import agent, emulated_faults, overrides, teardown_check
 from conformance.engine.handle import EngineHandle, kvcached_requested
 from conformance.geometry import Geometry, prompt_lengths
@@ -54,8 +55,6 @@ from conformance.results import (
 from conformance.vllm_series import native_defect_of
 from conformance.workload import Prompt, Workload, build_workload, stable_seed
 from kvcached.faults import read_fired, read_plan, read_triggers, write_plan
-
-DEFAULT_MAX_MODEL_LEN = 2048
 
 
 @dataclass
@@ -92,6 +91,7 @@ def _workload_record(w: Workload) -> WorkloadRecord:
 class CaseRunner:
     def __init__(self, job: Job) -> None:
         self.job = job
+        self.device: DeviceProfile = profile(job.device)
         self.geometry_cache: dict[str, Geometry] = {}
         self._seam: Any = None  # the harness-emulated fault seam of the running case, if any
 
@@ -103,7 +103,7 @@ class CaseRunner:
             "model": str(model_dir),
             "skip_tokenizer_init": True,
             "enforce_eager": True,
-            "dtype": case.archetype.dtype,
+            "dtype": case.archetype.model_on(self.job.device).torch_dtype,
             "enable_prefix_caching": case.prefix_caching,
             "max_model_len": max_model_len,
             "seed": 0,
@@ -113,11 +113,17 @@ class CaseRunner:
             # The harness's agent on every rank (observes only; the same on every side).
             "worker_extension_cls": agent.WORKER_EXTENSION,
             "tensor_parallel_size": case.layout.tensor_parallel,
+            **dict(self.device.engine_kwargs),
             **dict(case.archetype.engine_kwargs),
         }
+        # The case's own execution mode and attention backend come last: they are what it tests.
+        if case.compiled:
+            kw["enforce_eager"] = False
+        if attention := case.attention or kw.get("attention_backend") or self.device.attention_backend:
+            kw["attention_backend"] = attention
         # What this vLLM series' CPU kernels need (nothing on 0.28; see vllm_series): the same
-        # on every side, and recorded with the case's engine arguments.
-        return adjusted(case.archetype.name, kw)
+        # on every side, recorded with the case's engine arguments. GPU kernels need none of it.
+        return adjusted(case.archetype.name, kw) if self.device.device is Device.CPU else kw
 
     def _build(self, case: Case, kwargs: dict[str, Any]) -> EngineHandle:
         from vllm import LLM
@@ -131,7 +137,7 @@ class CaseRunner:
     def _probe_geometry(self, case: Case, model_dir: Path) -> Geometry:
         key = f"{case.archetype.name}|{case.prefix_caching}"
         if key not in self.geometry_cache:
-            kwargs = self._engine_kwargs(case, model_dir, DEFAULT_MAX_MODEL_LEN, self.job.kv_cache_bytes)
+            kwargs = self._engine_kwargs(case, model_dir, self.device.max_model_len, self.job.kv_cache_bytes)
             handle = self._build(case, kwargs)
             try:
                 self.geometry_cache[key] = handle.geometry(self.job.page_size)
@@ -145,9 +151,9 @@ class CaseRunner:
     def _plan(self, case: Case, model_dir: Path) -> Plan:
         """Reference side: everything both engines must share, derived from real geometry."""
         if not case.fault.physical_budget:
-            return Plan(max_model_len=DEFAULT_MAX_MODEL_LEN)
+            return Plan(max_model_len=self.device.max_model_len)
         geo = self._probe_geometry(case, model_dir)
-        lens = prompt_lengths(geo, case.lengths, DEFAULT_MAX_MODEL_LEN - case.max_tokens)
+        lens = prompt_lengths(geo, case.lengths, self.device.max_model_len - case.max_tokens)
         # Both engines run with a max_model_len just large enough for the longest request,
         # so "one request fits, the concurrent load does not" is a small budget.
         max_model_len = _round_up(max(n for _, n in lens) + case.max_tokens, geo.block_size)
@@ -255,7 +261,7 @@ class CaseRunner:
     def _model(self, case: Case, res: CaseResult) -> Path:
         from conformance.models import ensure_model
 
-        spec = case.archetype.model
+        spec = case.archetype.model_on(self.job.device)
         if self.job.side == "control" and case.control is Control.NEG_WEIGHTS:
             spec = spec.with_weight_seed(spec.weight_seed + 1)
         model_dir = ensure_model(spec)
@@ -314,7 +320,7 @@ class CaseRunner:
             res.replay = self._replay_uncacheable(handle, case, workload, geo)
 
     def geometry_cache_fits(self, plan: Plan, knobs: _Knobs) -> bool:
-        return plan.max_model_len == DEFAULT_MAX_MODEL_LEN and knobs.kv_bytes == self.job.kv_cache_bytes
+        return plan.max_model_len == self.device.max_model_len and knobs.kv_bytes == self.job.kv_cache_bytes
 
     def _instrument(self, handle: EngineHandle, knobs: _Knobs, geo: Geometry) -> None:
         # kvcached's mapped bytes per step; native vLLM commits its whole KV tensor at start.

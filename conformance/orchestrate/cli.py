@@ -12,11 +12,13 @@ import datetime as _dt
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from conformance import cases as C
-from conformance.orchestrate.compare import compare_results
+from conformance.device import Device, detect, profile
+from conformance.orchestrate.compare import compare_results, judge_against_native_floor
 from conformance.orchestrate.parity import ParityRow, RequestParity
 from conformance.orchestrate.progress import RunProgress
 from conformance.orchestrate.runner import ChildOutcome, RunConfig, Runner, base_case, planned_runs
@@ -61,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--quick", action="store_true", help="smoke matrix (a few minutes; what CI runs)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the engines compute (auto: cuda when torch sees a CUDA device); cuda runs the "
+                        "CUDA matrix: CUDA geometry, Triton attention for exact rows, CUDA graphs, FlashAttention 3 "
+                        "beside its own native baseline")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="archetype groups whose engine processes run at the same time (default 1; a GPU host "
+                        "has room for several)")
     p.add_argument("--sweep", action="store_true", help="the fault sweep (with --quick: its CI subset)")
     p.add_argument("--archetypes", type=_csv, help="comma-separated archetypes to keep")
     p.add_argument("--schedulers", type=_csv, help="comma-separated: sync, async")
@@ -83,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
         "that is >= 64 KiB, read from the reference engine)",
     )
     p.add_argument(
-        "--kv-cache-bytes", type=int, default=64 << 20, help="kv_cache_memory_bytes for every engine (default 64 MiB)"
+        "--kv-cache-bytes", type=int, default=None,
+        help="kv_cache_memory_bytes for every engine (default 64 MiB on the CPU, 1 GiB on CUDA)",
     )
     p.add_argument(
         "--budget-bytes",
@@ -120,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
 def select_cases(args: argparse.Namespace) -> list[C.Case]:
     if args.sweep:
         matrix = C.sweep_matrix(args.quick) + C.control_cases(("llama",))
+    elif args.device == Device.CUDA.value:
+        matrix = C.cuda_matrix(args.quick)
     else:
         matrix = C.quick_matrix() if args.quick else C.default_matrix()
     if args.no_controls:
@@ -146,8 +158,11 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return f"unknown pattern(s): {sorted(bad)}"
     if args.layouts and (bad := set(args.layouts) - {x.value for x in C.Layout}):
         return f"unknown layout(s): {sorted(bad)}; known: {[x.value for x in C.Layout]}"
-    if args.page_size is not None and (args.page_size <= 0 or args.page_size % 4096):
-        return "--page-size must be a positive multiple of 4096"
+    unit = profile(args.device).page_unit
+    if args.page_size is not None and (args.page_size <= 0 or args.page_size % unit):
+        return f"--page-size must be a positive multiple of {unit} on {args.device}"
+    if args.jobs < 1:
+        return "--jobs must be at least 1"
     return None
 
 
@@ -170,15 +185,19 @@ def _plugin_status(candidate: str) -> str | None:
 def _config(args: argparse.Namespace) -> RunConfig:
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     run_id = args.run_id or f"{stamp}-{args.candidate}-{'sweep-' if args.sweep else ''}{'quick' if args.quick else 'full'}"
+    device = profile(args.device)
     return RunConfig(
         run_dir=args.reports_dir / run_id,
         candidate=args.candidate,
         page_size=args.page_size,
-        kv_cache_bytes=args.kv_cache_bytes,
-        async_override=not args.no_async_override,
+        kv_cache_bytes=args.kv_cache_bytes or device.kv_cache_bytes,
+        device=device.device.value,
+        # Only the CPU platform turns async scheduling off (`conformance.engine.overrides`).
+        async_override=not args.no_async_override and device.device is Device.CPU,
         budget_bytes=args.budget_bytes,
         case_timeout_s=args.case_timeout,
         isolate_knob_cases=args.isolate_knob_cases,
+        jobs=args.jobs,
     )
 
 
@@ -189,6 +208,12 @@ class Collected:
     rows: list[ParityRow] = field(default_factory=list)
     per_case: list[tuple[ParityRow, list[RequestParity]]] = field(default_factory=list)
     memory: dict[str, list[tuple[str, list[int]]]] = field(default_factory=lambda: {"reference": [], "candidate": []})
+
+    def merge(self, other: Collected) -> None:
+        self.rows += other.rows
+        self.per_case += other.per_case
+        for side, series in other.memory.items():
+            self.memory[side] += series
 
     def add(self, case: C.Case, row: ParityRow, reqs: list[RequestParity], ref: CaseResult, oth: CaseResult) -> None:
         self.rows.append(row)
@@ -203,7 +228,7 @@ def _compare_archetype(runner: Runner, cases: list[C.Case], out: Collected, prog
         side, ref_case = ("control" if c.is_control else "candidate"), base_case(c)
         ref, oth = runner.load("reference", ref_case), runner.load(side, c)
         row, reqs = compare_results(
-            c, ref, oth, runner.npz_path("reference", ref_case), runner.npz_path(side, c), runner.cfg.async_override
+            c, ref, oth, runner.npz_path("reference", ref_case), runner.npz_path(side, c), runner.cfg.async_required
         )
         out.add(c, row, reqs, ref, oth)
         progress.log(
@@ -222,17 +247,38 @@ def _run_matrix(cfg: RunConfig, cases: list[C.Case], progress: RunProgress,
     """Every archetype's engine processes (unless ``run_engines`` is off: the run directory's
     raw results are compared again), then its comparisons."""
     runner = Runner(cfg, progress.log, lambda side, cid, secs, ok: progress.advance(f"{side} {cid}", ok, secs))
-    out = Collected()
-    # One group of engine processes per archetype and layout (a process serves one layout).
-    groups = list(dict.fromkeys((c.archetype.name, c.layout) for c in cases))
-    for i, (arch, layout) in enumerate(groups, 1):
-        group = [c for c in cases if (c.archetype.name, c.layout) == (arch, layout)]
-        label = arch if layout is C.Layout.INPROC else f"{arch}-{layout.value}"
+    groups = engine_groups(cases)
+
+    def run_group(i: int, label: str, group: list[C.Case]) -> Collected:
         progress.log(f"[{i}/{len(groups)}] {label}: {len(group)} case(s)")
         if run_engines:
             runner.run_archetype(label, group)
-        _compare_archetype(runner, group, out, progress)
+        part = Collected()
+        _compare_archetype(runner, group, part, progress)
+        return part
+
+    # Groups share nothing but the device: with --jobs N, N of them run at once; the
+    # report's rows keep the matrix's group order whichever finishes first.
+    with ThreadPoolExecutor(max_workers=cfg.jobs) as pool:
+        parts = list(pool.map(lambda item: run_group(item[0], *item[1]), enumerate(groups.items(), 1)))
+    out = Collected()
+    for part in parts:
+        out.merge(part)
     return runner, out
+
+
+def engine_groups(cases: list[C.Case]) -> dict[str, list[C.Case]]:
+    """The cases each set of engine processes (reference, candidate, control) runs, by label.
+
+    A process serves one layout (vLLM reads its environment once); an execution mode or
+    attention backend of its own is a group of its own too, so groups can run side by side.
+    """
+    groups: dict[str, list[C.Case]] = {}
+    for c in cases:
+        label = "-".join([c.archetype.name, *([c.layout.value] if c.layout is not C.Layout.INPROC else []),
+                          *(["graphs"] if c.compiled else []), *([c.attention.lower()] if c.attention else [])])
+        groups.setdefault(label, []).append(c)
+    return groups
 
 
 def process_issues(children: Sequence[ChildOutcome]) -> list[str]:
@@ -284,6 +330,8 @@ def _not_recomparable(run_dir: Path) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.device == "auto":
+        args.device = detect().value
     if (err := _check_args(args)) is not None:
         print(f"conformance: {err}", file=sys.stderr)
         return 2
@@ -306,6 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress.log(f"[conformance] run {cfg.run_dir.name}: {len(cases) - n_ctrl} cases + {n_ctrl} controls, "
                      f"candidate={args.candidate}; results under {cfg.run_dir}")
         runner, out = _run_matrix(cfg, cases, progress, run_engines=not args.recompare)
+    judge_against_native_floor(out.rows, {c.case_id: c for c in cases})
     if not args.keep_kv:
         for npz in runner.raw.rglob("*.npz"):
             npz.unlink()

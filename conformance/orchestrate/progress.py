@@ -8,6 +8,7 @@ and free of escape codes. Benchmarks and the compat session use the same class.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from types import TracebackType
 from typing import IO
@@ -23,6 +24,7 @@ class RunProgress:
         self.total, self.title, self.done = total, title, 0
         self.console = Console(file=file or sys.stdout, force_terminal=force_terminal, highlight=False)
         self._t0 = time.monotonic()
+        self._lock = threading.Lock()
         self._bar: Progress | None = None
         self._task: TaskID | None = None
 
@@ -60,13 +62,15 @@ class RunProgress:
             print(message, file=self.console.file, flush=True)
 
     def advance(self, label: str, ok: bool = True, seconds: float | None = None) -> None:
-        """One case finished."""
-        self.done += 1
-        left = max(0, self.total - self.done)
+        """One case finished (from any thread: groups of engines may run side by side)."""
+        with self._lock:
+            self.done += 1
+            done = self.done
+        left = max(0, self.total - done)
         took = f" ({seconds:.1f} s)" if seconds is not None else ""
         status = "ok" if ok else "error"
         if self._bar is not None and self._task is not None:
             self._bar.update(self._task, advance=1, left=left, last=f"{status} {label}{took}")
         else:
             elapsed = time.monotonic() - self._t0
-            self.log(f"      [{self.done}/{self.total}, {left} left, {elapsed:.0f} s] {status:<5} {label}{took}")
+            self.log(f"      [{done}/{self.total}, {left} left, {elapsed:.0f} s] {status:<5} {label}{took}")

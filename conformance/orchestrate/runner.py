@@ -58,6 +58,14 @@ class RunConfig:
     budget_bytes: int | None = None
     startup_timeout_s: float = 120.0
     case_timeout_s: float = 150.0
+    device: str = "cpu"  # the `conformance.device` profile of every engine
+    jobs: int = 1  # archetype groups run side by side (`cli._run_matrix`)
+
+    @property
+    def async_required(self) -> bool:
+        """Whether an async case that ran the synchronous scheduler fails (else it is explained):
+        on the CPU only with the harness's override; on a GPU vLLM runs it natively."""
+        return self.async_override or self.device != "cpu"
 
 
 @dataclass
@@ -204,6 +212,7 @@ class Runner:
             async_override=self.cfg.async_override,
             budget_bytes_override=self.cfg.budget_bytes,
             entries=entries,
+            device=self.cfg.device,  # type: ignore[arg-type]
         )
 
     def result_path(self, side: str, case: Case) -> Path:

@@ -1,0 +1,135 @@
+"""The harness's CUDA profile without a GPU: geometry, models, the CUDA matrix, native's floor,
+and the packed CUDA attention layout the KV snapshot reads."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from conformance import cases as C
+from conformance.device import PROFILES, Device, profile
+from conformance.geometry import derive_page_size
+from conformance.models import MODEL_SPECS, model_spec
+from conformance.orchestrate.compare import judge_against_native_floor
+from tests.test_conformance_report import _row
+
+MIB = 1 << 20
+CUDA = PROFILES[Device.CUDA]
+
+
+def test_cuda_pages_are_whole_multiples_of_the_driver_granularity() -> None:
+    assert derive_page_size((65536, 65536), CUDA) == 2 * MIB  # dense llama: 32 blocks a page
+    assert derive_page_size((196608,), CUDA) == 6 * MIB  # a 48-token hybrid block: lcm with 2 MiB
+    assert derive_page_size((8192, 8192)) == 65536  # the CPU profile is as before
+    for strides in [(65536,), (196608,), (524288,), (4 << 20,)]:
+        page = derive_page_size(strides, CUDA)
+        assert page % (2 * MIB) == 0 and all(page % s == 0 for s in strides)
+
+
+def _attention_bytes_per_token(spec_name: str) -> int:
+    cfg = dict(model_spec(spec_name, "cuda").config)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_key_value_heads"] * head_dim * 2  # K and V, 16-bit
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "nemotron_h", "granitemoehybrid", "falcon_h1", "qwen3_next",
+                                  "qwen3_5"])
+def test_cuda_models_reach_a_2mib_page_within_512_tokens(name: str) -> None:
+    spec = model_spec(name, "cuda")
+    assert spec.torch_dtype in ("bfloat16", "float16")
+    assert (2 * MIB) // _attention_bytes_per_token(name) == 512
+    assert model_spec(name) is MODEL_SPECS[name]  # the CPU models are untouched
+
+
+def test_cuda_mamba2_state_divides_a_2mib_page() -> None:
+    cfg = dict(model_spec("mamba2", "cuda").config)
+    inner = cfg["hidden_size"] * cfg.get("expand", 2)
+    assert inner == cfg["num_heads"] * cfg["head_dim"]
+    conv = (inner + 2 * cfg["n_groups"] * cfg["state_size"]) * (cfg["conv_kernel"] - 1) * 2
+    ssm = cfg["num_heads"] * cfg["head_dim"] * cfg["state_size"] * 2
+    assert (2 * MIB) % (conv + ssm) == 0
+
+
+def test_unknown_device_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown device"):
+        model_spec("llama", "tpu")
+    with pytest.raises(ValueError):
+        profile("tpu")
+
+
+def test_cuda_matrix_covers_what_only_a_gpu_does() -> None:
+    full, quick = C.cuda_matrix(), C.cuda_matrix(quick=True)
+    for matrix in (full, quick):
+        ids = [c.case_id for c in matrix]
+        assert len(ids) == len(set(ids))
+        assert any(c.compiled and c.layout is C.Layout.MP and c.scheduling is C.Scheduling.ASYNC for c in matrix)
+        fa3 = [c for c in matrix if c.attention == C.FA3]
+        # every FlashAttention 3 case is judged against its own native baseline
+        bases = {replace(c, control=C.Control.NONE) for c in fa3 if c.control is C.Control.BASELINE}
+        assert {c for c in fa3 if not c.is_control} <= bases
+        assert {c.control for c in matrix} >= {C.Control.BASELINE, C.Control.NEG_KV}
+    assert {c.archetype.name for c in full} == set(C.ARCHETYPES)
+    assert {c.fault.name for c in full} >= {"cow-admission-x2", "map-mid-alloc", "tiny-budget"}
+
+
+def test_case_json_round_trips_mode_and_backend() -> None:
+    case = C.Case(C.ARCHETYPES["llama"], C.Scheduling.ASYNC, compiled=True, attention=C.FA3, layout=C.Layout.MP)
+    back = C.Case.from_json(json.loads(json.dumps(case.to_json())))
+    assert back == case and back.case_id.endswith("-mp-graphs-flashattn")
+    old = {k: v for k, v in C.Case(C.ARCHETYPES["llama"]).to_json().items() if k not in ("compiled", "attention")}
+    assert C.Case.from_json(old) == C.Case(C.ARCHETYPES["llama"])  # results written before these fields
+
+
+FA3_CASE = C.Case(C.ARCHETYPES["llama"], attention=C.FA3, max_tokens=4)
+FA3_BASELINE = replace(FA3_CASE, control=C.Control.BASELINE)
+
+
+def _differs(case: C.Case, n: int) -> object:
+    return _row(case, exact_matches=3 - n, passed=False, verdict="MISMATCH",
+                problems=[f"token mismatch in {n} request(s), first r0@3"])
+
+
+def test_a_differing_fa3_baseline_is_the_floor_and_nothing_is_called_exact() -> None:
+    floor, exact = _differs(FA3_BASELINE, 2), _row(FA3_CASE)
+    judge_against_native_floor([floor, exact], {FA3_BASELINE.case_id: FA3_BASELINE, FA3_CASE.case_id: FA3_CASE})
+    assert floor.passed and floor.verdict == "native floor: 2 of 3 requests differ"
+    assert exact.passed and exact.verdict.startswith("within native's floor (0 of 3")
+
+
+def test_a_row_within_the_floor_passes_and_one_beyond_it_fails() -> None:
+    cases = {FA3_BASELINE.case_id: FA3_BASELINE, FA3_CASE.case_id: FA3_CASE}
+    floor, within = _differs(FA3_BASELINE, 2), _differs(FA3_CASE, 2)
+    judge_against_native_floor([floor, within], cases)
+    assert within.passed and not within.problems
+    floor, beyond = _differs(FA3_BASELINE, 1), _differs(FA3_CASE, 2)
+    judge_against_native_floor([floor, beyond], cases)
+    assert not beyond.passed and "beyond native's floor" in beyond.problems[-1]
+
+
+def test_an_exact_floor_changes_nothing_and_other_baselines_must_stay_exact() -> None:
+    triton_case = C.Case(C.ARCHETYPES["llama"], max_tokens=4)
+    triton_base = replace(triton_case, control=C.Control.BASELINE)
+    base_row, row = _differs(triton_base, 1), _differs(triton_case, 1)
+    judge_against_native_floor([base_row, row], {triton_base.case_id: triton_base, triton_case.case_id: triton_case})
+    assert not base_row.passed and not row.passed  # outside FlashAttention 3 a baseline must be exact
+    floor, fails = _row(FA3_BASELINE), _differs(FA3_CASE, 1)
+    judge_against_native_floor([floor, fails], {FA3_BASELINE.case_id: FA3_BASELINE, FA3_CASE.case_id: FA3_CASE})
+    assert floor.verdict == "exact" and not fails.passed
+
+
+def test_packed_cuda_attention_blocks_span_kernel_blocks() -> None:
+    torch = pytest.importorskip("torch")
+    from conformance.engine.kvsnap import attention_block, split_packed_block
+
+    # 6 kernel blocks of 16 tokens, 2 heads, head_size 4; a 48-token scheduler block spans 3
+    t = torch.arange(6 * 2 * 16 * 8, dtype=torch.float32).reshape(6, 2, 16, 8)
+    block = attention_block(t, 1, 48)
+    assert block.shape == (2, 48, 8)
+    assert all(torch.equal(block[:, 16 * i : 16 * (i + 1)], t[3 + i]) for i in range(3))
+    (k, k_axis), (v, v_axis) = split_packed_block(block, 20)
+    assert k.shape == v.shape == (2, 20, 4) and k_axis == v_axis == 1
+    assert torch.equal(k[:, 17], t[4][:, 1, :4]) and torch.equal(v[:, 17], t[4][:, 1, 4:])
+    with pytest.raises(RuntimeError, match="not a packed HND view"):
+        attention_block(t, 0, 40)
