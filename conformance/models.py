@@ -218,7 +218,11 @@ _CUDA_OVERRIDES: dict[str, dict[str, Any]] = {
     # A pure SSM model keeps its unpadded state page: 30 heads x 32 x state 32 in bf16 plus a
     # width-3 conv over 960 + 2 x 32 channels is 65,536 bytes, 32 states to a 2 MiB page
     # (the tiny CPU model's 19,840 bytes share only 2^7 with it: a 310 MiB page).
-    "mamba2": {"hidden_size": 480, "num_heads": 30, "head_dim": 32, "state_size": 32, "conv_kernel": 3},
+    # Its SSD chunk is 16 tokens, a divisor of the 16-token block: vLLM's CUDA path writes a
+    # state every block // chunk chunks in its default Mamba cache mode ("all"), and with the
+    # CPU model's 64-token chunk that stride is 0 ("slice step cannot be zero", 0.26.0 on H200).
+    "mamba2": {"hidden_size": 480, "num_heads": 30, "head_dim": 32, "state_size": 32, "conv_kernel": 3,
+               "chunk_size": 16},
     "nemotron_h": _CUDA_ATTN,
     # head_dim is hidden_size / heads here; the Mamba mixer is 2 x hidden = heads x head.
     "granitemoehybrid": {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 8,

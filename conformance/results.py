@@ -115,6 +115,7 @@ class SchedulerRan(_Strict):
     async_scheduling: bool
     executor: str  # the executor class vLLM chose
     world_size: int  # tensor x pipeline parallel ranks
+    engine_core_separate: bool | None = None  # the EngineCore ran in a process of its own (None: not read)
 
     @property
     def name(self) -> str:

@@ -223,6 +223,14 @@ class NativeDefect:
 
 NATIVE_DEFECTS: tuple[NativeDefect, ...] = (
     NativeDefect(
+        (0, 26), (0, 26), "__init__",
+        "vllm/model_executor/models/registry.py, _VLLM_MODELS",
+        ("0.26 registers Qwen3.5 only as the vision-language Qwen3_5ForConditionalGeneration; the "
+         "text-only Qwen3_5ForCausalLM (the spec's serving model) is not a vLLM 0.26 architecture"),
+        r"(?s)ValidationError: 1 validation error for ModelConfig\s+Value error, Model architectures "
+        r"\['Qwen3_5ForCausalLM'\] are not supported for now\..*",
+    ),
+    NativeDefect(
         (0, 32), (0, 32), "conv_ssm_forward",
         "vllm/model_executor/layers/mamba/mamba_mixer2.py, MambaMixer2.conv_ssm_forward",
         ("with Mamba prefix caching 0.32 stores prefill checkpoints and indexes the SSM states by "

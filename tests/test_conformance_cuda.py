@@ -133,3 +133,50 @@ def test_packed_cuda_attention_blocks_span_kernel_blocks() -> None:
     assert torch.equal(k[:, 17], t[4][:, 1, :4]) and torch.equal(v[:, 17], t[4][:, 1, 4:])
     with pytest.raises(RuntimeError, match="not a packed HND view"):
         attention_block(t, 0, 40)
+
+
+def test_a_native_error_is_neither_a_pass_nor_a_failure() -> None:
+    from conformance.orchestrate import report as R
+
+    failing = C.Case(C.ARCHETYPES["llama"], C.Scheduling.ASYNC, max_tokens=4)
+    native = _row(failing, passed=False, verdict="error", exact_matches=0,
+                  native_defect_reference="native vLLM 0.26.0 fails here on its own, in registry.py: ...")
+    good = _row(FA3_CASE)
+    report = R.build_report([native, good], [(native, []), (good, [])], {"date": "today"}, "KVCached",
+                            {failing.case_id: failing, FA3_CASE.case_id: FA3_CASE}, [], 1.0)
+    assert (report.passed, report.failed, report.native_errors, report.verdict) == (1, 0, 1, "PASS")
+    assert "1 native errors" in report.headline
+    broken = _row(failing, passed=False, verdict="error", exact_matches=0)  # no known defect: a failure
+    report = R.build_report([broken, good], [(broken, []), (good, [])], {"date": "today"}, "KVCached",
+                            {failing.case_id: failing, FA3_CASE.case_id: FA3_CASE}, [], 1.0)
+    assert (report.failed, report.native_errors, report.verdict) == (1, 0, "FAIL")
+
+
+def test_the_0_26_qwen3_5_refusal_is_a_known_native_defect_there_only() -> None:
+    from conformance import vllm_series as vs
+
+    err = ("ValidationError: 1 validation error for ModelConfig\n  Value error, Model architectures "
+           "['Qwen3_5ForCausalLM'] are not supported for now. Supported architectures: dict_keys(['A'])")
+    assert vs.native_defect("0.26.0", err, "__init__") is not None
+    assert vs.native_defect("0.28.0", err, "__init__") is None
+    assert vs.native_defect("0.26.0", err.replace("Qwen3_5", "Llama"), "__init__") is None
+
+
+@pytest.mark.parametrize(("executor", "separate", "layout", "holds"), [
+    ("UniProcExecutor", True, C.Layout.MP, True),  # CUDA, TP=1: the EngineCore process runs UniProc
+    ("UniProcExecutor", False, C.Layout.MP, False),
+    ("MultiprocExecutor", True, C.Layout.MP, True),  # the CPU
+    ("UniProcExecutor", False, C.Layout.INPROC, True),
+    ("UniProcExecutor", None, C.Layout.MP, False),  # results written before the fact: the executor decides
+])
+def test_the_layout_that_ran_is_read_from_the_engine_core_process(executor: str, separate: bool | None,
+                                                                   layout: C.Layout, holds: bool) -> None:
+    from conformance.orchestrate.compare import Pair, _layout_checks
+    from conformance.results import CaseResult, SchedulerRan
+
+    ran = SchedulerRan(scheduler_type="Scheduler", batch_queue=False, async_scheduling=False, executor=executor,
+                       world_size=1, engine_core_separate=separate)
+    case = C.Case(C.ARCHETYPES["llama"], layout=layout)
+    res = CaseResult(case=case.to_json(), side="reference", engine="native", scheduler=ran)
+    found = _layout_checks(case, Pair(case, res, res, None, None, False))
+    assert (not found.problems) == holds

@@ -67,6 +67,7 @@ def _scheduler_that_ran(core: Any) -> dict[str, Any]:
         "async_scheduling": bool(core.vllm_config.scheduler_config.async_scheduling),
         "executor": type(core.model_executor).__name__,
         "world_size": int(parallel.world_size),
+        "engine_core_pid": os.getpid(),
     }
 
 

@@ -79,7 +79,12 @@ class EngineHandle:
 
     # ---- layout and geometry -------------------------------------------------------------------
     def scheduler_that_ran(self) -> SchedulerRan:
-        return SchedulerRan.model_validate(self.core_call("scheduler_that_ran"))
+        facts = self.core_call("scheduler_that_ran")
+        # vLLM's multiprocess engine puts the EngineCore in a process of its own; its executor
+        # is a MultiprocExecutor on the CPU but a UniProcExecutor at TP=1 on CUDA, so the
+        # process, not the executor, says which layout ran.
+        facts["engine_core_separate"] = facts.pop("engine_core_pid") != os.getpid()
+        return SchedulerRan.model_validate(facts)
 
     def geometry(self, page_size: int | None) -> Geometry:
         """The engine's KV geometry, read once per engine (page size: configured or derived)."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conformance.cases import Case, Control, Scheduling
+from conformance.cases import Case, Control, PrefixPattern, Scheduling
 from conformance.device import Device, DeviceProfile, profile
 from conformance.engine import agent, emulated_faults, overrides, teardown_check
 from conformance.engine.handle import EngineHandle, kvcached_requested
@@ -121,6 +121,16 @@ class CaseRunner:
             kw["enforce_eager"] = False
         if attention := case.attention or kw.get("attention_backend") or self.device.attention_backend:
             kw["attention_backend"] = attention
+        if self.device.device is Device.CUDA and case.pattern is PrefixPattern.PARTIAL_COW:
+            # vLLM's CUDA default Mamba cache mode ("all") keeps a state per block and copies
+            # none; the partial pattern exists for the copy-on-write of "align" mode (the mode
+            # the CPU runs by default), so it asks for that; every other case keeps vLLM's choice.
+            kw["mamba_cache_mode"] = "align"
+        if self.device.device is Device.CUDA and case.fault.physical_budget:
+            # Preemption recomputes requests in other batches than native's. In 16-bit that can
+            # flip a near-tie token (nemotron_h on the H200: 3 of 40 requests in bf16); the case is
+            # about preemption, not numerics, so both sides run it in float32, as on the CPU.
+            kw["dtype"] = "float32"
         # What this vLLM series' CPU kernels need (nothing on 0.28; see vllm_series): the same
         # on every side, recorded with the case's engine arguments. GPU kernels need none of it.
         return adjusted(case.archetype.name, kw) if self.device.device is Device.CPU else kw

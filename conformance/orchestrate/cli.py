@@ -361,7 +361,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     issues = process_issues(runner.children)
     wall = time.monotonic() - t0
     md = _write(args, cfg, cases, out, issues, plugin_status, wall)
-    failed = [r for r in out.rows if not r.passed]
-    print(f"[conformance] {len(out.rows) - len(failed)}/{len(out.rows)} comparisons passed, "
+    failed = [r for r in out.rows if not r.passed and not r.native_error]
+    native = sum(r.native_error for r in out.rows)
+    print(f"[conformance] {sum(r.passed for r in out.rows)}/{len(out.rows)} comparisons passed, "
+          f"{len(failed)} failed, {native} native error(s), "
           f"{len(issues)} process issue(s), {wall:.0f} s; report: {md}", flush=True)
     return 0 if not failed and not issues else 1

@@ -517,7 +517,10 @@ def _sched_name(s: SchedulerRan | None) -> str:
 
 
 def _layout_ran(s: SchedulerRan | None) -> str:
-    return f"{s.executor} x{s.world_size}" if s is not None else "?"
+    if s is None:
+        return "?"
+    where = {True: ", EngineCore process", False: ", in-process", None: ""}[s.engine_core_separate]
+    return f"{s.executor} x{s.world_size}{where}"
 
 
 def _layout_checks(case: Case, pair: Pair) -> Findings:
@@ -528,7 +531,8 @@ def _layout_checks(case: Case, pair: Pair) -> Findings:
         s = res.scheduler
         if s is None:
             continue
-        if (s.executor != "UniProcExecutor") != want_mp or s.world_size != want_ranks:
+        separate = s.engine_core_separate if s.engine_core_separate is not None else s.executor != "UniProcExecutor"
+        if separate != want_mp or s.world_size != want_ranks:
             found.problems.append(f"{side}: asked layout {case.layout.value}, ran {_layout_ran(s)}")
     return found
 

@@ -120,6 +120,12 @@ class ParityRow:
         "cow_copies_reference", "cow_copies_other", "preemptions_reference", "preemptions_other",
     )  # fmt: skip
 
+    @property
+    def native_error(self) -> bool:
+        """Native vLLM failed the case on its own (a known native defect): nothing to compare,
+        neither a pass nor a failure of the candidate."""
+        return bool(self.native_defect_reference) and not self.passed
+
     def to_record(self) -> dict[str, Any]:
         d = asdict(self)
         d["problems"] = "; ".join(self.problems)

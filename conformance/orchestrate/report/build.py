@@ -109,6 +109,8 @@ def _native_records(rows: Sequence[ParityRow]) -> list[dict[str, str]]:
 
 
 def _who_and_match(r: ParityRow, candidate_name: str) -> tuple[str, str]:
+    if r.native_error:
+        return candidate_name, "Native error (nothing to compare)"
     if r.control == "native-baseline":
         return "Native vs native baseline", "Exact" if r.passed else f"Mismatch ({r.exact_matches}/{r.requests} exact)"
     if r.control != "none":
@@ -192,12 +194,13 @@ def build_report(
         *problem_sections(rows, process_issues),
         memory_section(),
     )
-    passed = sum(r.passed for r in rows)
+    passed, native_errors = sum(r.passed for r in rows), sum(r.native_error for r in rows)
     return Report(
-        passed_all=passed == len(rows) and not process_issues,
+        passed_all=passed + native_errors == len(rows) and not process_issues,
         comparisons=len(rows),
         passed=passed,
-        failed=len(rows) - passed,
+        failed=len(rows) - passed - native_errors,
+        native_errors=native_errors,
         process_issues=len(process_issues),
         wall_s=wall_s,
         candidate_name=candidate_name,

@@ -98,6 +98,8 @@ class Report:
     sections: tuple[Section, ...]
     cases: pd.DataFrame = field(default_factory=pd.DataFrame)
     requests: pd.DataFrame = field(default_factory=pd.DataFrame)
+    #: Comparisons native vLLM could not run on its own (known native defects): neither passed nor failed.
+    native_errors: int = 0
 
     @property
     def verdict(self) -> str:
@@ -110,7 +112,8 @@ class Report:
     @property
     def headline(self) -> str:
         return (
-            f"{self.comparisons} comparisons ({self.passed} passed, {self.failed} failed), "
+            f"{self.comparisons} comparisons ({self.passed} passed, {self.failed} failed"
+            + (f", {self.native_errors} native errors" if self.native_errors else "") + "), "
             f"candidate: **{self.candidate_name}**, wall time {self.wall_s:.0f} s."
         )
 

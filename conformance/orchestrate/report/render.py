@@ -96,6 +96,7 @@ def _overview(report: Report) -> pd.DataFrame:
         "comparisons": report.comparisons,
         "passed": report.passed,
         "failed": report.failed,
+        "native_errors": report.native_errors,
         "process_issues": report.process_issues,
         "candidate": report.candidate_name,
         "wall_s": f"{report.wall_s:.1f}",
