@@ -137,7 +137,7 @@ def child(spec: dict[str, Any]) -> None:
     from conformance.models import ensure_model
 
     arch = ARCHETYPES["llama"]
-    llm = LLM(model=str(ensure_model(arch.model)), skip_tokenizer_init=True, enforce_eager=True, dtype=arch.dtype,
+    llm = LLM(model=str(ensure_model(arch.model)), skip_tokenizer_init=True, enforce_eager=True, dtype=arch.model.torch_dtype,
               enable_prefix_caching=True, max_model_len=1024, seed=0, kv_cache_memory_bytes=spec["kv_bytes"],
               **dict(arch.engine_kwargs))
     sched = llm.llm_engine.engine_core.engine_core.scheduler

@@ -50,7 +50,7 @@ def run(requests: int, max_tokens: int, page_size: int, tp: int) -> dict[str, ob
     from conformance.models import ensure_model
 
     arch = ARCHETYPES["llama"]
-    llm = LLM(model=str(ensure_model(arch.model)), skip_tokenizer_init=True, enforce_eager=True, dtype=arch.dtype,
+    llm = LLM(model=str(ensure_model(arch.model)), skip_tokenizer_init=True, enforce_eager=True, dtype=arch.model.torch_dtype,
               enable_prefix_caching=True, max_model_len=1024, seed=0, kv_cache_memory_bytes=64 << 20,
               tensor_parallel_size=tp, worker_extension_cls=WORKER_EXTENSION, **dict(arch.engine_kwargs))
     handle = EngineHandle(llm)

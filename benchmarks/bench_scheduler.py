@@ -140,7 +140,7 @@ def child(spec: dict[str, Any]) -> None:
     is_async = spec["scheduler"] == "async"
     overrides.install_async_override()
     overrides.force_async(is_async)
-    llm = LLM(model=str(ensure_model(arch.model)), skip_tokenizer_init=True, enforce_eager=True, dtype=arch.dtype,
+    llm = LLM(model=str(ensure_model(arch.model)), skip_tokenizer_init=True, enforce_eager=True, dtype=arch.model.torch_dtype,
               enable_prefix_caching=True, max_model_len=1024, seed=0, kv_cache_memory_bytes=64 << 20,
               num_gpu_blocks_override=spec["blocks"], max_num_seqs=max(spec["concurrency"]),
               async_scheduling=is_async, **dict(arch.engine_kwargs))

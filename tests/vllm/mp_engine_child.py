@@ -45,7 +45,7 @@ def main(job_path: str, out_path: str) -> None:
     arch = ARCHETYPES[job["archetype"]]
     kwargs = adjusted(arch.name, {
         "model": str(ensure_model(arch.model)), "skip_tokenizer_init": True, "enforce_eager": True,
-        "dtype": arch.dtype, "enable_prefix_caching": True, "max_model_len": 1024, "seed": 0,
+        "dtype": arch.model.torch_dtype, "enable_prefix_caching": True, "max_model_len": 1024, "seed": 0,
         "kv_cache_memory_bytes": job.get("kv_cache_bytes", 64 << 20),
         "tensor_parallel_size": job["tp"], **dict(arch.engine_kwargs),
         "worker_extension_cls": "mp_engine_child.RankFacts",
