@@ -223,7 +223,12 @@ _CUDA_OVERRIDES: dict[str, dict[str, Any]] = {
     # CPU model's 64-token chunk that stride is 0 ("slice step cannot be zero", 0.26.0 on H200).
     "mamba2": {"hidden_size": 480, "num_heads": 30, "head_dim": 32, "state_size": 32, "conv_kernel": 3,
                "chunk_size": 16},
-    "nemotron_h": _CUDA_ATTN,
+    # As falcon_h1 below: a Mamba state above 64 KiB (32 heads x 32 x state 32 in bf16, plus the
+    # conv) so that align mode's attention block is larger than the 16-token hash unit (with the CPU
+    # dims it stayed at 16: "no hash boundary inside a block", 0.26.0 on H200). The 16-token SSD
+    # chunk divides every block, as for mamba2.
+    "nemotron_h": {**_CUDA_ATTN, "mamba_num_heads": 32, "mamba_head_dim": 32, "ssm_state_size": 32,
+                   "chunk_size": 16},
     # head_dim is hidden_size / heads here; the Mamba mixer is 2 x hidden = heads x head.
     "granitemoehybrid": {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 8,
                          "mamba_n_heads": 64},

@@ -52,6 +52,22 @@ def test_cuda_mamba2_state_divides_a_2mib_page() -> None:
     assert (2 * MIB) % (conv + ssm) == 0
 
 
+#: The SSM state of one Mamba layer in bytes (16-bit), from each hybrid's own config names.
+_SSM_STATE_BYTES = {
+    "nemotron_h": lambda c: c["mamba_num_heads"] * c["mamba_head_dim"] * c["ssm_state_size"] * 2,
+    "falcon_h1": lambda c: c["mamba_d_ssm"] * c["mamba_d_state"] * 2,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_SSM_STATE_BYTES))
+def test_cuda_partial_hit_hybrids_have_blocks_larger_than_the_hash_unit(name: str) -> None:
+    """vLLM sizes the attention block to hold one Mamba state: a state above 16 tokens of attention KV
+    (64 KiB) makes the block larger than the 16-token hash unit, so a partial prefix can hit."""
+    cfg = dict(model_spec(name, "cuda").config)
+    assert dict(C.ARCHETYPES[name].engine_kwargs)["prefix_match_unit"] == 16
+    assert _SSM_STATE_BYTES[name](cfg) >= 16 * _attention_bytes_per_token(name)
+
+
 def test_unknown_device_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown device"):
         model_spec("llama", "tpu")

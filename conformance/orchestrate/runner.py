@@ -241,6 +241,9 @@ class Runner:
         slow = 3 if any(c.archetype.slow for c in cases) else 1
         # A multiprocess engine starts its own processes for every case (about 45 s at TP=2 here).
         slow += 1 if layout.multiprocess else 0
+        # torch.compile and CUDA-graph capture at every engine start: a multiprocess group of compiled
+        # cases ran past 420 s on the H200 with 8 jobs (0.26.0).
+        slow += 2 if any(c.compiled for c in cases) else 0
         timeout = self.cfg.startup_timeout_s + self.cfg.case_timeout_s * len(cases) * slow
         self.say(f"  -> {label}: {len(cases)} case(s), {engine} engine")
         job = self._job(side, engine, entries)
