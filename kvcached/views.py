@@ -213,63 +213,17 @@ def describe_block_view(tensor: torch.Tensor, num_blocks: int, *, block_dim: int
         # torch forbids negative strides today; keep the check so the offset
         # arithmetic below (block 0 starts at the lowest address) stays sound.
         raise CopyValidationError(f"negative strides are not supported: {strides}")
-
-    if block_dim is None:
-        candidates = _candidate_block_dims(shape, num_blocks)
-        if not candidates:
-            raise CopyValidationError(f"no dimension of shape {shape} is a multiple of num_blocks={num_blocks}")
-        if len(candidates) > 1:
-            raise CopyValidationError(
-                f"block dimension of shape {shape} is ambiguous for num_blocks={num_blocks} "
-                f"(candidates {candidates}); pass block_dim"
-            )
-        block_dim = candidates[0]
-    else:
-        if not -len(shape) <= block_dim < len(shape):
-            raise ValueError(f"block_dim {block_dim} out of range for shape {shape}")
-        block_dim %= len(shape)
-        size = shape[block_dim]
-        if size < num_blocks or size % num_blocks:
-            raise CopyValidationError(
-                f"dim {block_dim} of shape {shape} has size {size}, not a multiple of num_blocks={num_blocks}"
-            )
+    block_dim = _resolve_block_dim(shape, num_blocks, block_dim)
 
     itemsize = tensor.element_size()
     ratio = shape[block_dim] // num_blocks
-    kernel_stride = strides[block_dim]
-    block_stride = ratio * kernel_stride * itemsize
+    block_stride = ratio * strides[block_dim] * itemsize
     if block_stride <= 0:
         raise CopyValidationError(
-            f"block dimension {block_dim} of shape {shape} has stride {kernel_stride}; "
+            f"block dimension {block_dim} of shape {shape} has stride {strides[block_dim]}; "
             "logical blocks would alias each other"
         )
-
-    # Dimensions that span one logical block, in element units: every non-block dim,
-    # plus the r kernel blocks along the block dim. Size-1 and stride-0 dims add no bytes.
-    dims = [(strides[d], shape[d]) for d in range(len(shape)) if d != block_dim]
-    dims.append((kernel_stride, ratio))
-    dims = sorted((st, sz) for st, sz in dims if sz > 1 and st > 0)
-
-    run_elems = 1
-    outer: list[tuple[int, int]] = []
-    for st, sz in dims:
-        if not outer and st == run_elems:
-            run_elems *= sz  # this dim continues the contiguous inner run
-        else:
-            outer.append((st, sz))
-    count = 1
-    for _, sz in outer:
-        count *= sz
-    if count > MAX_RAW_RUNS:
-        raise CopyValidationError(
-            f"view with shape {shape} and strides {strides} needs {count} byte runs per "
-            f"block (limit {MAX_RAW_RUNS}); it is too fragmented to copy by block"
-        )
-    offsets = [0]
-    for st, sz in outer:
-        offsets = [o + i * st for o in offsets for i in range(sz)]
-    run_bytes = run_elems * itemsize
-    segments = merge_runs((o * itemsize, run_bytes) for o in offsets)
+    segments = _block_runs(shape, strides, block_dim, ratio, itemsize)
     check_block_disjoint(segments, block_stride, num_blocks)
 
     base = storage_base(tensor)
@@ -292,6 +246,62 @@ def describe_block_view(tensor: torch.Tensor, num_blocks: int, *, block_dim: int
             f"the storage ({storage_bytes} bytes)"
         )
     return meta
+
+
+def _resolve_block_dim(shape: tuple[int, ...], num_blocks: int, block_dim: int | None) -> int:
+    """The block dimension of ``shape``: the one candidate, or ``block_dim`` checked."""
+    if block_dim is None:
+        candidates = _candidate_block_dims(shape, num_blocks)
+        if not candidates:
+            raise CopyValidationError(f"no dimension of shape {shape} is a multiple of num_blocks={num_blocks}")
+        if len(candidates) > 1:
+            raise CopyValidationError(
+                f"block dimension of shape {shape} is ambiguous for num_blocks={num_blocks} "
+                f"(candidates {candidates}); pass block_dim"
+            )
+        return candidates[0]
+    if not -len(shape) <= block_dim < len(shape):
+        raise ValueError(f"block_dim {block_dim} out of range for shape {shape}")
+    block_dim %= len(shape)
+    size = shape[block_dim]
+    if size < num_blocks or size % num_blocks:
+        raise CopyValidationError(
+            f"dim {block_dim} of shape {shape} has size {size}, not a multiple of num_blocks={num_blocks}"
+        )
+    return block_dim
+
+
+def _block_runs(shape: tuple[int, ...], strides: tuple[int, ...], block_dim: int, ratio: int,
+                itemsize: int) -> tuple[Run, ...]:
+    """Logical block 0's bytes as merged ``(offset, length)`` runs relative to its start.
+
+    The dimensions that span one logical block, in element units, are every non-block dim plus
+    the ``ratio`` kernel blocks along the block dim; size-1 and stride-0 dims add no bytes.
+    Inner dims contiguous with each other collapse into one run; each index combination of the
+    remaining (outer) dims is one run.
+    """
+    dims = [(strides[d], shape[d]) for d in range(len(shape)) if d != block_dim]
+    dims.append((strides[block_dim], ratio))
+    dims = sorted((st, sz) for st, sz in dims if sz > 1 and st > 0)
+    run_elems = 1
+    outer: list[tuple[int, int]] = []
+    for st, sz in dims:
+        if not outer and st == run_elems:
+            run_elems *= sz  # this dim continues the contiguous inner run
+        else:
+            outer.append((st, sz))
+    count = 1
+    for _, sz in outer:
+        count *= sz
+    if count > MAX_RAW_RUNS:
+        raise CopyValidationError(
+            f"view with shape {shape} and strides {strides} needs {count} byte runs per "
+            f"block (limit {MAX_RAW_RUNS}); it is too fragmented to copy by block"
+        )
+    offsets = [0]
+    for st, sz in outer:
+        offsets = [o + i * st for o in offsets for i in range(sz)]
+    return merge_runs((o * itemsize, run_elems * itemsize) for o in offsets)
 
 
 @dataclass(frozen=True, slots=True)
