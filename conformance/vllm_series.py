@@ -63,7 +63,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from packaging.version import InvalidVersion, Version
+from kvcached.errors import IntegrationError
+from kvcached.integration.vllm.capabilities import parse_series
 
 Series = tuple[int, int]
 
@@ -73,17 +74,14 @@ class UnknownVllmVersion(ValueError):
 
 
 def series_of(version: str) -> Series:
-    """``(major, minor)`` of a released vLLM version; local labels (``+cpu``), patch and
-    post releases belong to their series; pre-releases, dev builds, epochs and non-PEP 440
-    strings raise `UnknownVllmVersion`."""
+    """``(major, minor)`` of a released vLLM version, by the adapter's one parser
+    (`kvcached.integration.vllm.capabilities.parse_series`): local labels (``+cpu``), patch and post
+    releases belong to their series; pre-releases, dev builds, epochs and non-PEP 440 strings raise
+    `UnknownVllmVersion`."""
     try:
-        parsed = Version(str(version).strip())
-    except InvalidVersion:
-        raise UnknownVllmVersion(f"cannot parse vLLM version {version!r}") from None
-    if parsed.epoch or parsed.is_prerelease or parsed.is_devrelease:
-        raise UnknownVllmVersion(f"vLLM {version!r} is a pre-release, dev build or has an epoch")
-    release = parsed.release
-    return (release[0], release[1] if len(release) > 1 else 0)
+        return parse_series(str(version))
+    except IntegrationError as exc:
+        raise UnknownVllmVersion(str(exc)) from None
 
 
 @dataclass(frozen=True)

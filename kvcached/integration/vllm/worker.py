@@ -1,12 +1,12 @@
 """Worker-side seams: KV tensors over virtual ranges, byte-page metadata, block copies,
 and the KV capacity the worker reports.
 
-Model Runner V1, vLLM 0.26-0.29. Where vLLM allocates KV tensors is the one worker
-difference between the series; `Capabilities.allocate_kv_cache` tells which seams apply.
+Model Runner V1, every series in `capabilities.SUPPORTED`. Where vLLM allocates KV tensors is the
+one worker difference between the series; `Capabilities.allocate_kv_cache` tells which seams apply.
 These attributes are replaced by `install`, each restored exactly by `uninstall`:
 
 0.26-0.28 (``allocate_kv_cache`` false): ``_allocate_kv_cache_tensors`` and
-``_reshape_kv_cache_tensors`` below. 0.29 (``allocate_kv_cache`` true): those methods are
+``_reshape_kv_cache_tensors`` below. 0.29 and later (``allocate_kv_cache`` true): those methods are
 gone and ``vllm.v1.worker.gpu_model_runner.allocate_kv_cache`` replaces both (below).
 
 ``GPUModelRunner._allocate_kv_cache_tensors``
