@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, TypedDict
 
 from conformance.models import ModelSpec, model_spec
 from kvcached.faults import FaultRule
@@ -456,6 +456,11 @@ FA3 = "FLASH_ATTN"
 NATIVE_FLOOR_BACKENDS = frozenset({FA3})
 
 
+class _UsersDefault(TypedDict):
+    layout: Layout
+    compiled: bool
+
+
 def cuda_matrix(quick: bool = False) -> list[Case]:
     """The matrix of a CUDA run (`conformance.device`): CUDA geometry, Triton attention for
     the exact rows, and what only a GPU engine does: torch.compile with CUDA graphs, vLLM's
@@ -464,7 +469,7 @@ def cuda_matrix(quick: bool = False) -> list[Case]:
     A, S, P = ARCHETYPES, Scheduling, PrefixPattern
     sync, asyn = S.SYNC, S.ASYNC
     llama, nem = A["llama"], A["nemotron_h"]
-    users_default = {"layout": Layout.MP, "compiled": True}  # what `vllm serve` runs
+    users_default = _UsersDefault(layout=Layout.MP, compiled=True)  # what `vllm serve` runs
     cases = [
         Case(llama, sync),
         Case(llama, asyn, pattern=P.SHARED_CONCURRENT),

@@ -41,7 +41,7 @@ def register() -> None:
     from vllm.v1.engine.core import EngineCore
 
     if "conformance_call" not in vars(EngineCore):
-        EngineCore.conformance_call = conformance_call  # type: ignore[attr-defined]
+        EngineCore.conformance_call = conformance_call
     step_log = os.environ.get("CONFORMANCE_STEP_LOG")
     if step_log:  # a served engine's scheduler time per step (benchmarks/bench_serve_steps.py)
         from conformance.engine import step_timer

@@ -95,4 +95,4 @@ def install(path: str) -> None:
 
     schedule._conformance_step_timer = True  # type: ignore[attr-defined]
     schedule.__wrapped__ = original  # type: ignore[attr-defined]
-    Scheduler.schedule = schedule  # type: ignore[method-assign]
+    Scheduler.schedule = schedule

@@ -61,7 +61,7 @@ def _record(path: Path | None) -> tuple[int | None, int | None]:
 def engine_processes() -> list[str]:
     """Live descendants of this process (EngineCore, workers, their helpers), except Python's
     multiprocessing resource tracker, which serves this process for its whole life."""
-    import psutil
+    import psutil  # type: ignore[import-untyped]  # no types-psutil in the environment
 
     out = []
     for proc in psutil.Process().children(recursive=True):

@@ -196,7 +196,7 @@ def _content_sets(
 
 def _state_indices(npz: Any, name: str) -> list[int]:
     """``name`` is ``<rank prefix>b<block>|<layer>``; the states stored for it."""
-    out = []
+    out: list[int] = []
     while f"{name}|{len(out)}" in npz.files:
         out.append(len(out))
     if not out:
@@ -548,7 +548,7 @@ def comparison_label(case: Case, other_engine: str) -> str:
 def _new_row(pair: Pair) -> ParityRow:
     """The row before any stage ran: identity, what ran, memory, and zero counts."""
     case, ref, other = pair.case, pair.ref, pair.other
-    zero = {f: 0 for f in ParityRow.COUNT_FIELDS}
+    zero: dict[str, Any] = {f: 0 for f in ParityRow.COUNT_FIELDS}
     return ParityRow(
         case_id=case.case_id, comparison=comparison_label(case, other.engine), archetype=case.archetype.name,
         scheduling=case.scheduling.value, pattern=case.pattern.value, lengths=case.lengths.value,

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-import pandas as pd
+import pandas as pd  # type: ignore[import-untyped]  # no pandas-stubs in the environment
 
 from conformance.orchestrate.parity import ParityRow, RequestParity
 from conformance.orchestrate.report.model import Bullets, Image, Paragraph, Preformatted, Report, Section, Table

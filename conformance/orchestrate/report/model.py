@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import pandas as pd
+import pandas as pd  # type: ignore[import-untyped]  # no pandas-stubs in the environment
 
 
 @dataclass(frozen=True, eq=False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pandas as pd
+import pandas as pd  # type: ignore[import-untyped]  # no pandas-stubs in the environment
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from markupsafe import Markup, escape
 
