@@ -21,9 +21,10 @@ import json
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, model_validator
 
 from conformance.geometry import Geometry
+from kvcached.stats import PoolStats
 
 #: Bumped whenever a field changes meaning, appears or disappears.
 SCHEMA_VERSION = 8
@@ -170,27 +171,13 @@ class EngineMetrics(_Strict):
     prefix_cache_hits: float
 
 
-class PoolFacts(_Strict):
-    """One kvcached pool, as ``kvcached.stats()`` reports it (see `kvcached.PoolStats`)."""
-
-    mapped_bytes: int
-    peak_mapped_bytes: int
-    reserved_idle_bytes: int
-    live_blocks: int
-    capacity_blocks: int
-    kv_page_bytes: int
-    vmm_page_bytes: int
-    rank_round_trips: int
-    maps: int
-    unmaps: int
-    map_failures: int
-    admission_misses: int
-    page_takes: int
-    reserve_hits: int
-    blocking_maps: int
-    unmap_failures: int
-    quarantined_pages: int
-    health: Literal["healthy", "degraded", "failed"]
+#: One kvcached pool as ``kvcached.stats()`` reports it: kvcached's own `PoolStats` (a
+#: dataclass pydantic validates like a model: unknown, missing or mistyped fields are refused),
+#: so a new stats field is one edit, in ``kvcached/stats.py``.
+PoolFacts = PoolStats
+#: Validates the pools' facts as they arrive from the EngineCore (plain dicts there), as strictly
+#: as a result file's (the config reaches the dataclass only through a container).
+POOL_FACTS = TypeAdapter(dict[str, PoolFacts], config=ConfigDict(extra="forbid"))
 
 
 class CopyFacts(_Strict):

@@ -128,13 +128,21 @@ def test_schedule_stage_alone() -> None:
     assert not other.same and other.divergence_step == 1
 
 
-def test_pool_facts_carry_every_field_of_kvcached_pool_stats() -> None:
-    """The engine process records `kvcached.stats()` with `dataclasses.asdict`; a field the
-    result model lacks is refused at run time (strict model), one it has extra can never be
-    filled. Both sides must name the same fields."""
+def test_pool_facts_are_kvcached_pool_stats_validated() -> None:
+    """The result model takes `kvcached.PoolStats` itself (one definition of a pool's facts):
+    the dict an engine process sends is validated into it, and an unknown field is refused."""
     import dataclasses
 
-    import kvcached
-    from conformance.results import PoolFacts
+    import pydantic
 
-    assert set(PoolFacts.model_fields) == {f.name for f in dataclasses.fields(kvcached.PoolStats)}
+    import kvcached
+    from conformance.results import POOL_FACTS, PoolFacts
+    from kvcached.pages import PoolHealth
+
+    assert PoolFacts is kvcached.PoolStats
+    sent = dataclasses.asdict(kvcached.PoolStats(*range(12), health=PoolHealth.DEGRADED))
+    sent["health"] = "degraded"  # what a msgpack channel delivers
+    facts = POOL_FACTS.validate_python({"pool": sent})["pool"]
+    assert PoolHealth(facts.health) is PoolHealth.DEGRADED and facts.maps == 8
+    with pytest.raises(pydantic.ValidationError, match="unknown_counter"):
+        POOL_FACTS.validate_python({"pool": {**sent, "unknown_counter": 1}})

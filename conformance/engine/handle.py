@@ -36,7 +36,15 @@ import numpy as np
 from conformance.device import profile
 from conformance.engine import agent
 from conformance.geometry import Geometry, derive_page_size
-from conformance.results import CopyFacts, EngineMetrics, KvSnapshotMeta, PoolFacts, ProbeRecord, SchedulerRan
+from conformance.results import (
+    POOL_FACTS,
+    CopyFacts,
+    EngineMetrics,
+    KvSnapshotMeta,
+    PoolFacts,
+    ProbeRecord,
+    SchedulerRan,
+)
 
 
 class LayoutNotSupported(RuntimeError):
@@ -143,7 +151,7 @@ class EngineHandle:
         facts = self.core_call("kvcached_pools")
         if not facts["status"]["enabled"]:
             raise KvcachedInactive(f"KVCACHED_ENABLE=1 but kvcached is not enabled in the EngineCore: {facts['status']}")
-        pools = {name: PoolFacts(**p) for name, p in facts["pools"].items()}
+        pools = POOL_FACTS.validate_python(facts["pools"])
         if not pools:
             raise KvcachedInactive("kvcached.stats() is empty: no kvcached pool was created in this engine")
         return pools

@@ -35,6 +35,7 @@ import numpy as np
 from conformance.cases import NATIVE_FLOOR_BACKENDS, Case, Control, Scheduling
 from conformance.orchestrate.parity import KvComparison, LogprobComparison, ParityRow, RequestParity
 from conformance.results import CaseResult, KvSnapshotMeta, RequestRecord, SchedulerRan
+from kvcached.pages import PoolHealth
 
 
 @dataclass
@@ -336,8 +337,9 @@ def _idle_checks(other: CaseResult) -> Findings:
         if pool.live_blocks != 1 or beyond != 0:
             found.problems.append(f"pool {name} idle: {pool.live_blocks} live block(s) and {beyond} kv page(s) "
                                   "mapped beyond the null block's page and the reserve (a leak)")
-        if pool.quarantined_pages or pool.health != "healthy":
-            found.problems.append(f"pool {name} idle: {pool.quarantined_pages} quarantined page(s), {pool.health}")
+        health = PoolHealth(pool.health)  # the enum, also where a test built the facts from a str
+        if pool.quarantined_pages or health is not PoolHealth.HEALTHY:
+            found.problems.append(f"pool {name} idle: {pool.quarantined_pages} quarantined page(s), {health.value}")
     return found
 
 
