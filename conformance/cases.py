@@ -13,13 +13,15 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, TypedDict
+from typing import Any, TypedDict, TypeVar
 
 from conformance.models import ModelSpec, model_spec
 from kvcached.faults import FaultRule
+
+_T = TypeVar("_T")
 
 
 class Scheduling(str, Enum):
@@ -343,21 +345,59 @@ class Case:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Case:
-        return cls(
-            archetype=ARCHETYPES[data["archetype"]],
-            scheduling=Scheduling(data["scheduling"]),
-            prefix_caching=bool(data["prefix_caching"]),
-            lengths=LengthSet(data["lengths"]),
-            pattern=PrefixPattern(data["pattern"]),
-            fault=FAULT_PLANS[data["fault"]],
-            control=Control(data["control"]),
-            max_tokens=int(data["max_tokens"]),
-            top_logprobs=int(data["top_logprobs"]),
-            layout=Layout(data["layout"]),
-            compiled=bool(data.get("compiled", False)),
-            attention=data.get("attention"),
+    def from_json(cls, data: Any) -> Case:
+        """The one parse of a case's JSON form (`to_json`); `CaseFormatError` names the field.
+
+        ``compiled`` and ``attention`` may be absent (results written before they existed);
+        every other field must be there, and nothing else may be.
+        """
+        if not isinstance(data, Mapping):
+            raise CaseFormatError(f"a case is a JSON object, got {type(data).__name__}")
+        missing = sorted(set(_CASE_FIELDS) - set(data) - {"compiled", "attention"})
+        unknown = sorted(set(data) - set(_CASE_FIELDS))
+        if missing or unknown:
+            raise CaseFormatError(f"case fields: missing {missing}, unknown {unknown}")
+        case = cls(
+            archetype=_lookup(data, "archetype", ARCHETYPES),
+            scheduling=_lookup(data, "scheduling", {s.value: s for s in Scheduling}),
+            prefix_caching=_typed(data, "prefix_caching", bool),
+            lengths=_lookup(data, "lengths", {x.value: x for x in LengthSet}),
+            pattern=_lookup(data, "pattern", {x.value: x for x in PrefixPattern}),
+            fault=_lookup(data, "fault", FAULT_PLANS),
+            control=_lookup(data, "control", {x.value: x for x in Control}),
+            max_tokens=_typed(data, "max_tokens", int),
+            top_logprobs=_typed(data, "top_logprobs", int),
+            layout=_lookup(data, "layout", {x.value: x for x in Layout}),
+            compiled=_typed({"compiled": False, **data}, "compiled", bool),
+            attention=_typed({"attention": None, **data}, "attention", (str, type(None))),
         )
+        if "case_id" in data and data["case_id"] != case.case_id:
+            raise CaseFormatError(f"case field 'case_id': {data['case_id']!r}, but the fields make {case.case_id!r}")
+        return case
+
+
+class CaseFormatError(ValueError):
+    """A case's JSON form is malformed (the message names the field)."""
+
+
+#: Every field of `Case.to_json` (``case_id`` is derived, and checked when present).
+_CASE_FIELDS = ("case_id", "archetype", "scheduling", "prefix_caching", "lengths", "pattern", "fault", "control",
+                "max_tokens", "top_logprobs", "layout", "compiled", "attention")
+
+
+def _lookup(data: Mapping[str, Any], name: str, table: Mapping[str, _T]) -> _T:
+    value = data[name]
+    if not isinstance(value, str) or value not in table:
+        raise CaseFormatError(f"case field {name!r}: {value!r} is not one of {sorted(table)}")
+    return table[value]
+
+
+def _typed(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = data[name]
+    # bool is an int in Python; a count given as true/false is as wrong as one given as text.
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise CaseFormatError(f"case field {name!r}: {value!r} is not {getattr(kind, '__name__', kind)}")
+    return value
 
 
 def _arch_cases(a: Archetype, scheds: Iterable[Scheduling], slow: bool) -> list[Case]:

@@ -4,7 +4,10 @@ result of every case coming back.
 The parent writes a `Job` (JSON) for each engine process; the engine process writes one
 `CaseResult` (JSON, plus an ``.npz`` of KV arrays) per case. Both are pydantic models with
 ``extra="forbid"``: an unknown or missing field, a wrong type, or a result written by another
-`SCHEMA_VERSION` raises `ResultSchemaError` naming the file and the field. A parent never
+`SCHEMA_VERSION` raises `ResultSchemaError` naming the file and the field. The case (a
+`conformance.cases.Case`, in its ``to_json`` form) and the workload (the frozen
+`conformance.workload.Workload` itself) cross as typed fields: the reading side gets them
+parsed once, when the file is read, and a malformed one names its field. A parent never
 "makes do" with a partial result: a case whose engine process died is written by the parent
 as a result with an ``error``, in the same schema.
 
@@ -19,11 +22,23 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 
+from conformance.cases import Case
 from conformance.geometry import Geometry
+from conformance.workload import Workload
 from kvcached.stats import PoolStats
 
 #: Bumped whenever a field changes meaning, appears or disappears.
@@ -72,24 +87,20 @@ class Plan(_Strict):
     budget: Budget | None = None
 
 
-class PromptRecord(_Strict):
-    rid: str
-    label: str
-    tokens: list[int]
+def _case(value: Any) -> Case:
+    return value if isinstance(value, Case) else Case.from_json(value)
 
 
-class WorkloadRecord(_Strict):
-    passes: list[list[PromptRecord]]
-    lengths: list[tuple[str, int]]
-    partial_boundaries: list[int]
-    corrupt_prefix_tokens: int
+#: A case crosses the boundary as `Case.to_json` and is parsed once, by `Case.from_json`,
+#: when the job or result is read (a malformed case is an error naming its field).
+CaseField = Annotated[Case, PlainValidator(_case), PlainSerializer(Case.to_json)]
 
 
 class JobEntry(_Strict):
     """One case of a job. The reference gets only ``case``; the others get its derivations."""
 
-    case: dict[str, Any]
-    workload: WorkloadRecord | None = None
+    case: CaseField
+    workload: Workload | None = None  # a frozen dataclass, validated by pydantic like a model
     geometry: Geometry | None = None
     plan: Plan | None = None
 
@@ -262,7 +273,7 @@ class TeardownFacts(_Strict):
 
 class CaseResult(_Strict):
     schema_version: int = SCHEMA_VERSION
-    case: dict[str, Any]
+    case: CaseField
     side: Side
     engine: EngineKind
     error: str | None = None
@@ -277,7 +288,7 @@ class CaseResult(_Strict):
     t_engine_start: float | None = None
     scheduler: SchedulerRan | None = None
     geometry: Geometry | None = None
-    workload: WorkloadRecord | None = None
+    workload: Workload | None = None
     requests: list[RequestRecord] | None = None
     t_passes: list[float] = Field(default_factory=list)
     corrupted_blocks: list[int] = Field(default_factory=list)

@@ -28,9 +28,8 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from conformance.cases import PrefixPattern
 from conformance.geometry import Geometry
@@ -46,6 +45,9 @@ class Prompt:
 
 @dataclass(frozen=True)
 class Workload:
+    """Crosses the process boundary as itself: `conformance.results` validates it with
+    pydantic (unknown, missing or mistyped fields refused), so it has no JSON twin."""
+
     passes: tuple[tuple[Prompt, ...], ...]
     lengths: tuple[tuple[str, int], ...]
     partial_boundaries: tuple[int, ...] = ()
@@ -56,23 +58,6 @@ class Workload:
     @property
     def prompts(self) -> list[Prompt]:
         return [p for ps in self.passes for p in ps]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "passes": [[{"rid": p.rid, "label": p.label, "tokens": list(p.tokens)} for p in ps] for ps in self.passes],
-            "lengths": [list(x) for x in self.lengths],
-            "partial_boundaries": list(self.partial_boundaries),
-            "corrupt_prefix_tokens": self.corrupt_prefix_tokens,
-        }
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Workload:
-        return cls(
-            passes=tuple(tuple(Prompt(p["rid"], p["label"], tuple(p["tokens"])) for p in ps) for ps in data["passes"]),
-            lengths=tuple((str(a), int(b)) for a, b in data["lengths"]),
-            partial_boundaries=tuple(data["partial_boundaries"]),
-            corrupt_prefix_tokens=int(data["corrupt_prefix_tokens"]),
-        )
 
 
 def stable_seed(text: str) -> int:

@@ -44,7 +44,7 @@ def _result_dict(tokens: list[list[int]], *, engine: str, schedule: Any, kv: boo
             }
         )
     return {
-        "case": {},
+        "case": C.Case(C.ARCHETYPES["llama"]).to_json(),
         "side": "candidate",
         "engine": engine,
         "error": None,

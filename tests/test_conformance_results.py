@@ -24,6 +24,7 @@ from conformance.results import (
     load_result,
     write_atomic,
 )
+from conformance.workload import Prompt, Workload
 
 GEO = Geometry(16, 16, (16,), ("FullAttentionSpec",), (("l0",),), 4096, 8192, (4096, 4096), 100, 819200, 2048,
                65536, "derived")  # fmt: skip
@@ -36,7 +37,7 @@ def _request(rid: str, tokens: list[int]) -> RequestRecord:
 
 def _result(tokens: list[list[int]], **kw: object) -> CaseResult:
     reqs = [_request(f"p{i}", t) for i, t in enumerate(tokens)]
-    return CaseResult(case={"case_id": "c"}, side="candidate", engine="kvcached", requests=reqs, geometry=GEO,
+    return CaseResult(case=C.Case(C.ARCHETYPES["llama"]), side="candidate", engine="kvcached", requests=reqs, geometry=GEO,
                       plan=Plan(max_model_len=64, page_size=65536), t_total=1.0, **kw)  # type: ignore[arg-type]
 
 
@@ -82,16 +83,55 @@ def test_unreadable_result_names_the_file(tmp_path: Path) -> None:
         load_result(path)
 
 
+def _job(tmp_path: Path) -> Job:
+    case = C.Case(C.ARCHETYPES["nemotron_h"], pattern=C.PrefixPattern.PARTIAL_COW, fault=C.COW_ADMISSION_X2)
+    workload = Workload(passes=((Prompt("p1-00", "warm:3", (5, 6, 7)),),), lengths=(("one", 1),),
+                        partial_boundaries=(16,))  # fmt: skip
+    return Job(side="candidate", engine="kvcached", out_dir=tmp_path, page_size=None, kv_cache_bytes=1 << 20,
+               async_override=True, budget_bytes_override=None,
+               entries=[JobEntry(case=case, workload=workload, geometry=GEO)])  # fmt: skip
+
+
 def test_job_round_trips_and_refuses_unknown_fields(tmp_path: Path) -> None:
-    job = Job(side="reference", engine="native", out_dir=tmp_path, page_size=None, kv_cache_bytes=1 << 20,
-              async_override=True, budget_bytes_override=None, entries=[JobEntry(case={"case_id": "c"})])  # fmt: skip
+    """The case and the workload cross as themselves: what the child reads is what was sent."""
+    job = _job(tmp_path)
     path = tmp_path / "job.json"
     write_atomic(path, job)
-    assert load_job(path) == job
+    back = load_job(path)
+    assert back == job and back.entries[0].case is not job.entries[0].case
+    assert isinstance(back.entries[0].workload, Workload) and back.entries[0].workload.passes[0][0].tokens == (5, 6, 7)
     data = json.loads(path.read_text())
     data["entries"][0]["workload_v0"] = {}
     path.write_text(json.dumps(data))
     with pytest.raises(ResultSchemaError, match="workload_v0"):
+        load_job(path)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("archetype", "lama", r"(?s)entries\.0\.case.*case field 'archetype': 'lama' is not one of"),
+    ("max_tokens", "16", "case field 'max_tokens': '16' is not int"),
+    ("prefix_caching", 1, "case field 'prefix_caching': 1 is not bool"),
+    ("fault", "cow", "case field 'fault': 'cow' is not one of"),
+    ("case_id", "stale", "case field 'case_id': 'stale', but the fields make"),
+    ("extra", 1, r"unknown \['extra'\]"),
+])  # fmt: skip
+def test_a_malformed_case_in_a_job_names_its_field(tmp_path: Path, field: str, value: object, message: str) -> None:
+    path = tmp_path / "job.json"
+    write_atomic(path, _job(tmp_path))
+    data = json.loads(path.read_text())
+    data["entries"][0]["case"][field] = value
+    path.write_text(json.dumps(data))
+    with pytest.raises(ResultSchemaError, match=message):
+        load_job(path)
+
+
+def test_a_malformed_workload_in_a_job_names_its_field(tmp_path: Path) -> None:
+    path = tmp_path / "job.json"
+    write_atomic(path, _job(tmp_path))
+    data = json.loads(path.read_text())
+    data["entries"][0]["workload"]["passes"][0][0]["tokens"] = ["five"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ResultSchemaError, match=r"entries\.0\.workload\.passes\.0\.0\.tokens\.0"):
         load_job(path)
 
 

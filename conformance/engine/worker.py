@@ -48,7 +48,6 @@ from conformance.results import (
     KvcachedFacts,
     Plan,
     RequestRecord,
-    WorkloadRecord,
     load_job,
     write_atomic,
 )
@@ -82,10 +81,6 @@ class Progress:
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
-
-
-def _workload_record(w: Workload) -> WorkloadRecord:
-    return WorkloadRecord.model_validate(w.to_json())
 
 
 class CaseRunner:
@@ -223,14 +218,14 @@ class CaseRunner:
                 f"geometry differs from the reference: {geo.same_attention_layout()} != "
                 f"{entry.geometry.same_attention_layout()}"
             )
-        return Workload.from_json(entry.workload.model_dump())
+        return entry.workload
 
     # ---------------------------------------------------------------------------- a case
     def run_case(self, entry: JobEntry) -> str | None:
         """Run one case; write its result; return its error text (None when it ran to the end)."""
-        case = Case.from_json(entry.case)
+        case = entry.case
         out_json = self.job.out_dir / f"{case.case_id}.json"
-        res = CaseResult(case=case.to_json(), side=self.job.side, engine=self.job.engine)
+        res = CaseResult(case=case, side=self.job.side, engine=self.job.engine)
         t0 = time.monotonic()
         handle: EngineHandle | None = None
         knobs: _Knobs | None = None
@@ -306,7 +301,7 @@ class CaseRunner:
         pools_start = handle.kvcached_pools() if kvc else {}
         copies_start = handle.kvcached_copies() if kvc else None
         workload = self._workload(entry, case, res.plan, geo)
-        res.workload = _workload_record(workload)
+        res.workload = workload
         self._instrument(handle, knobs, geo)
         res.requests, res.t_passes, res.corrupted_blocks, res.engine_error = self._run_passes(handle, case, workload)
         if res.engine_error is not None:
@@ -474,7 +469,7 @@ def main(argv: list[str]) -> int:
     runner = CaseRunner(job)
     progress.say("READY")
     for entry in job.entries:
-        cid = Case.from_json(entry.case).case_id
+        cid = entry.case.case_id
         progress.say("START", cid)
         t = time.monotonic()
         err = runner.run_case(entry)

@@ -263,7 +263,7 @@ class Runner:
         if prev is not None and prev.finished:
             return
         status = prev.kv_status if prev is not None else "not-run"
-        base = prev or CaseResult(case=case.to_json(), side=side, engine=engine)  # type: ignore[arg-type]
+        base = prev or CaseResult(case=case, side=side, engine=engine)  # type: ignore[arg-type]
         err = base.model_copy(
             update={"error": f"{why} before the case finished (kv_status={status})", "traceback": _tail(log_path)}
         )
@@ -276,7 +276,7 @@ class Runner:
         ref_cases = list(dict.fromkeys([*regular, *(base_case(c) for c in controls)]))
         # Budget cases probe geometry first; running them last lets them reuse it.
         ref_cases.sort(key=lambda c: c.fault.physical_budget)
-        entries = [JobEntry(case=c.to_json()) for c in ref_cases]
+        entries = [JobEntry(case=c) for c in ref_cases]
         self._run("reference", "native", f"reference-{arch}", ref_cases, entries)
         groups = group_candidate_cases(regular, self.cfg.candidate, self.cfg.isolate_knob_cases)
         for i, group in enumerate(groups):
@@ -289,7 +289,7 @@ class Runner:
         ref = self.load("reference", base)
         if ref.error or ref.workload is None:
             return None
-        return JobEntry(case=case.to_json(), workload=ref.workload, geometry=ref.geometry, plan=ref.plan)
+        return JobEntry(case=case, workload=ref.workload, geometry=ref.geometry, plan=ref.plan)
 
     def _run_entries(self, side: str, engine: str, label: str, cases: list[Case], bases: list[Case]) -> None:
         runnable: list[tuple[Case, JobEntry]] = []
@@ -299,7 +299,7 @@ class Runner:
                 continue
             (self.raw / side).mkdir(parents=True, exist_ok=True)
             skipped = CaseResult(
-                case=c.to_json(), side=side, engine=engine, error="not run: the reference case failed", t_total=0.0  # type: ignore[arg-type]
+                case=c, side=side, engine=engine, error="not run: the reference case failed", t_total=0.0  # type: ignore[arg-type]
             )
             write_atomic(self.result_path(side, c), skipped)
             self.on_case_done(side, c.case_id, 0.0, False)
