@@ -11,6 +11,7 @@ import pytest
 
 from conformance import cases as C
 from conformance.orchestrate.compare import compare_kv, compare_logprobs, compare_results
+from conformance.orchestrate.parity import ProblemKind
 from conformance.results import CaseResult, FaultRecord, KvSnapshotMeta
 
 MT = 4
@@ -102,6 +103,20 @@ def test_token_mismatch_fails_and_names_first_divergence(tmp_path: Path) -> None
     assert reqs[0].first_divergence == 2 and row.first_divergence.startswith("p1-00@2")
     # The distribution at the divergent position (same context) is compared, and differs.
     assert not reqs[0].logprobs_equal and not row.logprobs_equal
+
+
+def test_a_missing_kv_snapshot_is_an_error_for_a_negative_control_only() -> None:
+    """Verdicts decide by a problem's kind: a missing snapshot (MISSING) leaves a case's tokens
+    judged (MISMATCH), but a negative control cannot have caught anything without it."""
+    ref, oth = _result([[1, 2, 3, 4]]), _result([[1, 2, 3, 4]], kv=False)
+    row, _ = compare_results(CASE, ref, oth, None, None, True)
+    assert row.verdict == "MISMATCH" and [p.kind for p in row.problems] == [ProblemKind.MISSING]
+    neg = C.Case(C.ARCHETYPES["llama"], control=C.Control.NEG_KV, max_tokens=MT)
+    row, _ = compare_results(neg, ref, oth, None, None, True)
+    assert row.verdict == "error" and not row.passed
+    ref_failed = ref.model_copy(update={"error": "RuntimeError: boom"})
+    row, _ = compare_results(CASE, ref_failed, oth, None, None, True)
+    assert row.verdict == "error" and [p.kind for p in row.problems] == [ProblemKind.ERROR]
 
 
 def test_same_schedule_kv_difference_is_unexplained(tmp_path: Path) -> None:

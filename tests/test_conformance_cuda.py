@@ -13,6 +13,7 @@ from conformance.device import PROFILES, Device, profile
 from conformance.geometry import derive_page_size
 from conformance.models import MODEL_SPECS, model_spec
 from conformance.orchestrate.compare import judge_against_native_floor
+from conformance.orchestrate.parity import Problem, ProblemKind
 from tests.test_conformance_report import _row
 
 MIB = 1 << 20
@@ -104,7 +105,7 @@ FA3_BASELINE = replace(FA3_CASE, control=C.Control.BASELINE)
 
 def _differs(case: C.Case, n: int) -> object:
     return _row(case, exact_matches=3 - n, passed=False, verdict="MISMATCH",
-                problems=[f"token mismatch in {n} request(s), first r0@3"])
+                problems=[Problem(ProblemKind.NUMERIC, f"token mismatch in {n} request(s), first r0@3")])
 
 
 def test_a_differing_fa3_baseline_is_the_floor_and_nothing_is_called_exact() -> None:
@@ -122,6 +123,15 @@ def test_a_row_within_the_floor_passes_and_one_beyond_it_fails() -> None:
     floor, beyond = _differs(FA3_BASELINE, 1), _differs(FA3_CASE, 2)
     judge_against_native_floor([floor, beyond], cases)
     assert not beyond.passed and "beyond native's floor" in beyond.problems[-1]
+
+
+def test_the_floor_takes_only_numeric_problems_by_kind_not_by_wording() -> None:
+    """A problem of another kind fails the row whatever native did, however it is worded."""
+    cases = {FA3_BASELINE.case_id: FA3_BASELINE, FA3_CASE.case_id: FA3_CASE}
+    floor, row = _differs(FA3_BASELINE, 2), _differs(FA3_CASE, 1)
+    row.problems.append(Problem(ProblemKind.CHECK, "token mismatch in the fired counts"))
+    judge_against_native_floor([floor, row], cases)
+    assert floor.passed and not row.passed and "beyond native's floor" in row.problems[-1]
 
 
 def test_an_exact_floor_changes_nothing_and_other_baselines_must_stay_exact() -> None:

@@ -33,7 +33,14 @@ from typing import Any
 import numpy as np
 
 from conformance.cases import NATIVE_FLOOR_BACKENDS, Case, Control, Scheduling
-from conformance.orchestrate.parity import KvComparison, LogprobComparison, ParityRow, RequestParity
+from conformance.orchestrate.parity import (
+    KvComparison,
+    LogprobComparison,
+    ParityRow,
+    Problem,
+    ProblemKind,
+    RequestParity,
+)
 from conformance.results import CaseResult, KvSnapshotMeta, RequestRecord, SchedulerRan
 from kvcached.pages import PoolHealth
 
@@ -42,8 +49,11 @@ from kvcached.pages import PoolHealth
 class Findings:
     """What a stage found: problems fail the comparison, explanations are reported."""
 
-    problems: list[str] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
     explanations: list[str] = field(default_factory=list)
+
+    def add(self, kind: ProblemKind, text: str) -> None:
+        self.problems.append(Problem(kind, text))
 
     def extend(self, other: Findings) -> None:
         self.problems += other.problems
@@ -110,7 +120,7 @@ def token_parity(case: Case, ref: CaseResult, other: CaseResult) -> TokenParity:
     ref_reqs, oth_reqs = ref.requests or [], other.requests or []
     out = TokenParity([], _unstable(ref), Findings())
     if [r.rid for r in ref_reqs] != [r.rid for r in oth_reqs]:
-        out.findings.problems.append("request lists differ between engines")
+        out.findings.add(ProblemKind.CHECK, "request lists differ between engines")
     out.requests = [_request_parity(a, b, case.max_tokens) for a, b in zip(ref_reqs, oth_reqs, strict=False)]
     for p in out.requests:
         p.native_history_dependent = p.rid in out.unstable
@@ -273,7 +283,7 @@ def kv_parity(pair: Pair) -> tuple[KvComparison, Findings]:
     found = Findings()
     ref, oth = pair.ref, pair.other
     if not (ref.kv_status == "ok" and oth.kv_status == "ok" and ref.kv and oth.kv and pair.ref_kv and pair.other_kv):
-        found.problems.append(f"KV snapshot missing (reference {ref.kv_status}, other {oth.kv_status})")
+        found.add(ProblemKind.MISSING, f"KV snapshot missing (reference {ref.kv_status}, other {oth.kv_status})")
         return KvComparison(), found
     with np.load(pair.ref_kv) as rn, np.load(pair.other_kv) as on:
         kvc = compare_kv(ref.kv, rn, oth.kv, on)
@@ -305,20 +315,20 @@ def _fault_plan_checks(case: Case, other: CaseResult, probe_partial_hits: int) -
     found = Findings()
     fired = other.fault.fired if other.fault else None
     if fired is None:
-        found.problems.append("fault plan: the seam wrote no fired counts (plan never loaded?)")
+        found.add(ProblemKind.CHECK, "fault plan: the seam wrote no fired counts (plan never loaded?)")
         text = "no fired file"
     else:
         total = sum(fired.values())
         text = str(total)
         if total == 0:
-            found.problems.append("fault plan never fired")
+            found.add(ProblemKind.CHECK, "fault plan never fired")
         elif total != case.fault.expected_fired:
-            found.problems.append(f"fault plan fired {total}x, planned {case.fault.expected_fired}x")
+            found.add(ProblemKind.CHECK, f"fault plan fired {total}x, planned {case.fault.expected_fired}x")
     if case.fault.needs_partial_hits:
         if probe_partial_hits == 0:
-            found.problems.append("no real partial-prefix hit, so the trigger could not arm")
+            found.add(ProblemKind.CHECK, "no real partial-prefix hit, so the trigger could not arm")
         if "partial_prefix_hit" not in ((other.fault.triggers if other.fault else None) or []):
-            found.problems.append("the seam never saw the partial_prefix_hit trigger")
+            found.add(ProblemKind.CHECK, "the seam never saw the partial_prefix_hit trigger")
     return text, found
 
 
@@ -331,15 +341,15 @@ def _idle_checks(other: CaseResult) -> Findings:
     if facts is None:
         return found
     if facts.idle_reset_refused:
-        found.problems.append("reset_prefix_cache refused after the requests finished: blocks still in use")
+        found.add(ProblemKind.CHECK, "reset_prefix_cache refused after the requests finished: blocks still in use")
     for name, pool in (facts.pools_idle or {}).items():
         beyond = (pool.mapped_bytes - pool.reserved_idle_bytes) // pool.kv_page_bytes - 1
         if pool.live_blocks != 1 or beyond != 0:
-            found.problems.append(f"pool {name} idle: {pool.live_blocks} live block(s) and {beyond} kv page(s) "
+            found.add(ProblemKind.CHECK, f"pool {name} idle: {pool.live_blocks} live block(s) and {beyond} kv page(s) "
                                   "mapped beyond the null block's page and the reserve (a leak)")
         health = PoolHealth(pool.health)  # the enum, also where a test built the facts from a str
         if pool.quarantined_pages or health is not PoolHealth.HEALTHY:
-            found.problems.append(f"pool {name} idle: {pool.quarantined_pages} quarantined page(s), {health.value}")
+            found.add(ProblemKind.CHECK, f"pool {name} idle: {pool.quarantined_pages} quarantined page(s), {health.value}")
     return found
 
 
@@ -352,10 +362,10 @@ def _budget_checks(other: CaseResult, preemptions: int, peak: int) -> tuple[str,
     else:
         text = f"budget: {preemptions} preemptions"
     if preemptions <= 0:
-        found.problems.append("physical budget caused no preemption (engine metrics)")
+        found.add(ProblemKind.CHECK, "physical budget caused no preemption (engine metrics)")
     budget = other.plan.budget.kvcached_budget_bytes if other.plan and other.plan.budget else 0
     if facts is not None and budget and peak > budget:
-        found.problems.append(f"kvcached mapped {peak} bytes, over its {budget}-byte budget")
+        found.add(ProblemKind.CHECK, f"kvcached mapped {peak} bytes, over its {budget}-byte budget")
     return text, found
 
 
@@ -367,7 +377,10 @@ def _scheduler_checks(case: Case, pair: Pair) -> Findings:
     for side, res in (("reference", pair.ref), ("other", pair.other)):
         if res.scheduler is None or not res.scheduler.ran_async:
             msg = f"{side}: asked async, ran {_sched_name(res.scheduler)}"
-            (found.problems if pair.async_override else found.explanations).append(msg)
+            if pair.async_override:
+                found.add(ProblemKind.CHECK, msg)
+            else:
+                found.explanations.append(msg)
     return found
 
 
@@ -388,12 +401,12 @@ def _prefix_hit_checks(pair: Pair, row: ParityRow) -> Findings:
     if case.fault.cached_cap is None:
         if differ:
             rid, a, b = differ[0]
-            found.problems.append(
+            found.add(ProblemKind.CHECK, 
                 f"prefix hits differ from native on {len(differ)} request(s) (first {rid}: {a} vs {b} tokens)"
             )
     elif pair.other.engine == "kvcached":
         if other >= native:
-            found.problems.append(f"the cap of {case.fault.cached_cap} cached blocks evicted no prefix hit "
+            found.add(ProblemKind.CHECK, f"the cap of {case.fault.cached_cap} cached blocks evicted no prefix hit "
                                   f"({native} native vs {other} hit tokens): the case tested nothing")
         else:
             found.explanations.append(f"prefix hits differ by design (cap of {case.fault.cached_cap} cached blocks): "
@@ -416,7 +429,7 @@ def fact_checks(pair: Pair, row: ParityRow) -> Findings:
     if other.kvcached is not None:
         per_rank = [c.block_copies for c in other.kvcached.copies]
         if not per_rank or any(n != row.cow_copies_other for n in per_rank):
-            found.problems.append(
+            found.add(ProblemKind.CHECK, 
                 f"kvcached copied {per_rank} block pair(s) per rank but the scheduler asked for "
                 f"{row.cow_copies_other} on every rank"
             )
@@ -425,7 +438,7 @@ def fact_checks(pair: Pair, row: ParityRow) -> Findings:
     found.extend(_scheduler_checks(case, pair))
     found.extend(_layout_checks(case, pair))
     if case.pattern.value == "partial" and row.cow_copies_reference == 0:
-        found.problems.append("partial-prefix pattern made no copy-on-write copy")
+        found.add(ProblemKind.CHECK, "partial-prefix pattern made no copy-on-write copy")
     return found
 
 
@@ -450,7 +463,7 @@ class Evidence:
 
 def control_verdict(row: ParityRow, ev: Evidence, found: Findings) -> None:
     """Negative controls invert the verdict: they pass only when a mismatch is detected."""
-    if [p for p in found.problems if "error" in p or "missing" in p]:
+    if any(p.kind in (ProblemKind.ERROR, ProblemKind.MISSING) for p in found.problems):
         row.verdict = "error"
     elif ev.mismatch_found:
         row.verdict, row.passed = "mismatch detected (expected)", True
@@ -468,7 +481,7 @@ def control_verdict(row: ParityRow, ev: Evidence, found: Findings) -> None:
         found.problems = []
     else:
         row.verdict = "NOT DETECTED"
-        found.problems.append("negative control was not reported as a mismatch")
+        found.add(ProblemKind.CHECK, "negative control was not reported as a mismatch")
 
 
 def _numeric_findings(case: Case, ev: Evidence, found: Findings) -> None:
@@ -476,9 +489,9 @@ def _numeric_findings(case: Case, ev: Evidence, found: Findings) -> None:
     lp, kv, step = ev.logprobs, ev.kv, ev.schedule.divergence_step
     if ev.schedule.same:
         if not ev.kv_exact:
-            found.problems.append(f"same schedule but KV differs ({kv.first_mismatch}, max |Δ| {kv.max_abs_diff:.3g})")
+            found.add(ProblemKind.NUMERIC, f"same schedule but KV differs ({kv.first_mismatch}, max |Δ| {kv.max_abs_diff:.3g})")
         if not lp.equal:
-            found.problems.append(
+            found.add(ProblemKind.NUMERIC, 
                 f"same schedule but logprobs differ (max |Δ| {lp.max_abs_diff:.3g} over shared top-k tokens; "
                 f"top-k sets differ at {lp.topk_set_differs} positions)"
             )
@@ -496,13 +509,13 @@ def _numeric_findings(case: Case, ev: Evidence, found: Findings) -> None:
 def candidate_verdict(case: Case, row: ParityRow, ev: Evidence, found: Findings) -> None:
     """Tokens exact always; KV and logprobs exact under the same schedule."""
     if not (row.complete_reference == row.requests and row.complete_other == row.requests):
-        found.problems.append(
+        found.add(ProblemKind.CHECK, 
             f"incomplete requests: reference {row.complete_reference}, other {row.complete_other} of {row.requests}"
         )
     if not ev.tokens.exact:
         bad = [p for p in ev.tokens.stable if not p.exact]
         first = min(bad, key=lambda p: p.first_divergence or 0)
-        found.problems.append(f"token mismatch in {len(bad)} request(s), first {first.rid}@{first.first_divergence}")
+        found.add(ProblemKind.NUMERIC, f"token mismatch in {len(bad)} request(s), first {first.rid}@{first.first_divergence}")
     _numeric_findings(case, ev, found)
     row.passed = not found.problems
     if row.passed and ev.tokens.unstable and row.exact_matches < row.requests:
@@ -510,7 +523,9 @@ def candidate_verdict(case: Case, row: ParityRow, ev: Evidence, found: Findings)
     elif row.passed:
         row.verdict = "exact" if (ev.kv_exact and ev.logprobs.equal) else "tokens exact, numeric diff explained"
     else:
-        row.verdict = "error" if any("error" in p for p in found.problems) else "MISMATCH"
+        # A KV snapshot that is missing is a mismatch here (the case ran), but an error for a
+        # negative control (it cannot have caught anything without it).
+        row.verdict = "error" if any(p.kind is ProblemKind.ERROR for p in found.problems) else "MISMATCH"
 
 
 # ---- the pipeline ----------------------------------------------------------------------------------
@@ -535,7 +550,7 @@ def _layout_checks(case: Case, pair: Pair) -> Findings:
             continue
         separate = s.engine_core_separate if s.engine_core_separate is not None else s.executor != "UniProcExecutor"
         if separate != want_mp or s.world_size != want_ranks:
-            found.problems.append(f"{side}: asked layout {case.layout.value}, ran {_layout_ran(s)}")
+            found.add(ProblemKind.CHECK, f"{side}: asked layout {case.layout.value}, ran {_layout_ran(s)}")
     return found
 
 
@@ -609,13 +624,13 @@ def _fired_as_planned(case: Case, other: CaseResult) -> tuple[str, Findings]:
     found = Findings()
     fired = other.fault.fired if other.fault else None
     if fired is None:
-        found.problems.append("fault plan: the seam wrote no fired counts (plan never loaded?)")
+        found.add(ProblemKind.CHECK, "fault plan: the seam wrote no fired counts (plan never loaded?)")
         return "no fired file", found
     total, most = sum(fired.values()), case.fault.expected_fired * case.layout.tensor_parallel
     if total == 0:
-        found.problems.append("fault plan never fired")
+        found.add(ProblemKind.CHECK, "fault plan never fired")
     elif total > most:
-        found.problems.append(f"fault plan fired {total}x, planned at most {most}x")
+        found.add(ProblemKind.CHECK, f"fault plan fired {total}x, planned at most {most}x")
     return str(total), found
 
 
@@ -623,20 +638,20 @@ def _teardown_checks(other: CaseResult) -> Findings:
     """After the engine error and the shutdown, nothing of the engine is left."""
     found, t = Findings(), other.teardown
     if t is None:
-        found.problems.append("no teardown facts recorded")
+        found.add(ProblemKind.CHECK, "no teardown facts recorded")
         return found
     if other.engine == "kvcached":
         if t.record_live_slots is None:
-            found.problems.append("the case's budget record was never written (kvcached not running?)")
+            found.add(ProblemKind.CHECK, "the case's budget record was never written (kvcached not running?)")
         elif t.record_live_slots or t.record_charged_bytes:
-            found.problems.append(f"memory not returned: {t.record_live_slots} live budget slot(s) holding "
+            found.add(ProblemKind.CHECK, f"memory not returned: {t.record_live_slots} live budget slot(s) holding "
                                   f"{t.record_charged_bytes} bytes after shutdown")
     if t.registered_spaces:
-        found.problems.append(f"{t.registered_spaces} kvcached KV space(s) still registered after shutdown")
+        found.add(ProblemKind.CHECK, f"{t.registered_spaces} kvcached KV space(s) still registered after shutdown")
     if t.memfds_after > t.memfds_before:
-        found.problems.append(f"memfds leaked: {t.memfds_before} before the engine, {t.memfds_after} after shutdown")
+        found.add(ProblemKind.CHECK, f"memfds leaked: {t.memfds_before} before the engine, {t.memfds_after} after shutdown")
     if t.live_children:
-        found.problems.append(f"engine processes survived shutdown: {', '.join(t.live_children)}")
+        found.add(ProblemKind.CHECK, f"engine processes survived shutdown: {', '.join(t.live_children)}")
     elif t.settle_s >= 0.1:
         found.explanations.append(f"the engine's processes and budget slots were gone {t.settle_s:.1f} s after "
                                   "shutdown returned")
@@ -650,10 +665,10 @@ def engine_error_verdict(pair: Pair) -> tuple[ParityRow, list[RequestParity]]:
     row, found = _new_row(pair), Findings()
     for side, res in (("reference", ref), ("other", other)):
         if res.error:
-            found.problems.append(f"{side} error: {res.error}")
+            found.add(ProblemKind.ERROR, f"{side} error: {res.error}")
     err, requests = other.engine_error, []
     if err is None:
-        found.problems.append("the plan should end in an engine error, but every pass completed")
+        found.add(ProblemKind.CHECK, "the plan should end in an engine error, but every pass completed")
     elif ref.requests is not None and not found.problems:
         row.engine_error = f"pass {err.pass_no}: {err.error_type}"
         before = ref.model_copy(update={"requests": [r for r in ref.requests if r.pass_no < err.pass_no]})
@@ -662,7 +677,7 @@ def engine_error_verdict(pair: Pair) -> tuple[ParityRow, list[RequestParity]]:
             requests = tokens.requests
             row.requests, row.exact_matches = len(before.requests or []), sum(p.exact for p in requests)
             if not tokens.exact:
-                found.problems.append(f"tokens before the engine error differ on "
+                found.add(ProblemKind.NUMERIC, f"tokens before the engine error differ on "
                                       f"{row.requests - row.exact_matches} request(s)")
             found.extend(tokens.findings)
         else:
@@ -685,9 +700,9 @@ def compare(pair: Pair) -> tuple[ParityRow, list[RequestParity]]:
     row, found = _new_row(pair), Findings()
     for side, res in (("reference", pair.ref), ("other", pair.other)):
         if res.error:
-            found.problems.append(f"{side} error: {res.error}")
+            found.add(ProblemKind.ERROR, f"{side} error: {res.error}")
     if found.problems or not (_ran(pair.ref) and _ran(pair.other)):
-        row.problems = found.problems or ["missing request results"]
+        row.problems = found.problems or [Problem(ProblemKind.MISSING, "missing request results")]
         return row, []
     tokens = token_parity(pair.case, pair.ref, pair.other)
     logprobs = logprob_parity(pair.ref, pair.other, tokens)
@@ -697,7 +712,7 @@ def compare(pair: Pair) -> tuple[ParityRow, list[RequestParity]]:
     for f in (tokens.findings, kv_found, fact_checks(pair, row)):
         found.extend(f)
     if pair.case.prefix_caching and kv.compared == 0 and not found.problems:
-        found.problems.append("no KV block compared")
+        found.add(ProblemKind.CHECK, "no KV block compared")
     if pair.case.control.expects_mismatch:
         control_verdict(row, ev, found)
     else:
@@ -707,9 +722,10 @@ def compare(pair: Pair) -> tuple[ParityRow, list[RequestParity]]:
 
 
 # ---- stage 7, over a whole run: native's own floor ------------------------------------------------
-#: Problems that say only that the two sides computed differently (what a native floor measures);
-#: anything else (errors, incomplete requests, facts) fails a row whatever native does.
-_NUMERIC_PROBLEMS = ("token mismatch in ", "same schedule but KV differs", "same schedule but logprobs differ")
+def _numeric(p: Problem) -> bool:
+    """Only problems saying that the two sides computed differently are what a native floor
+    measures; anything else (errors, incomplete requests, facts) fails a row whatever native does."""
+    return p.kind is ProblemKind.NUMERIC
 
 
 def _differing(row: ParityRow) -> int:
@@ -730,21 +746,21 @@ def judge_against_native_floor(rows: list[ParityRow], cases: dict[str, Case]) ->
     for floor in rows:
         case = cases[floor.case_id]
         if (case.control is not Control.BASELINE or case.attention not in NATIVE_FLOOR_BACKENDS
-                or floor.verdict == "exact" or any(not p.startswith(_NUMERIC_PROBLEMS) for p in floor.problems)):
+                or floor.verdict == "exact" or any(not _numeric(p) for p in floor.problems)):
             continue
         base = replace(case, control=Control.NONE).case_id
         floor.explanations += [f"native floor: {p}" for p in floor.problems]
         floor.problems, floor.passed = [], True
         floor.verdict = f"native floor: {_differing(floor)} of {floor.requests} requests differ"
         for row in (r for r in rows if r.case_id == base):
-            numeric = all(p.startswith(_NUMERIC_PROBLEMS) for p in row.problems)
+            numeric = all(_numeric(p) for p in row.problems)
             if row.passed or (numeric and _differing(row) <= _differing(floor)):
                 row.explanations += [f"within native's floor ({floor.verdict}): {p}" for p in row.problems]
                 row.problems, row.passed = [], True
                 row.verdict = f"within native's floor ({_differing(row)} of {row.requests} requests differ)"
             else:
-                row.problems.append(f"beyond native's floor: {_differing(row)} requests differ, native's own "
-                                    f"baseline {_differing(floor)}")
+                row.problems.append(Problem(ProblemKind.CHECK, f"beyond native's floor: {_differing(row)} requests "
+                                            f"differ, native's own baseline {_differing(floor)}"))
 
 
 def compare_results(

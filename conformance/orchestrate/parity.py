@@ -8,7 +8,30 @@ test read the same fields.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any, ClassVar
+
+from typing_extensions import Self
+
+
+class ProblemKind(Enum):
+    """What a problem is; the verdicts decide by this, never by a problem's wording."""
+
+    ERROR = "error"  # an engine (or the harness in it) failed the case: nothing to compare
+    MISSING = "missing"  # what the comparison needs was not recorded (requests, a KV snapshot)
+    NUMERIC = "numeric"  # the two sides computed differently (tokens, or KV/logprobs under one schedule)
+    CHECK = "check"  # anything else the case must show (a plan fired, nothing leaked, the layout ran, ...)
+
+
+class Problem(str):
+    """One problem: its text (what reports, CSV and logs show, hence a `str`) and its kind."""
+
+    kind: ProblemKind
+
+    def __new__(cls, kind: ProblemKind, text: str) -> Self:
+        self = super().__new__(cls, text)
+        self.kind = kind
+        return self
 
 
 @dataclass
@@ -106,7 +129,7 @@ class ParityRow:
     passed: bool
     engine_error: str = ""  # the planned engine error the other side's client saw ("pass 2: InjectedFault")
     native_defect_reference: str = ""  # the reference failed on a known native vLLM defect (its reason)
-    problems: list[str] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
     explanations: list[str] = field(default_factory=list)
     wall_s_reference: float = 0.0
     wall_s_other: float = 0.0
