@@ -125,6 +125,17 @@ def test_a_row_within_the_floor_passes_and_one_beyond_it_fails() -> None:
     assert not beyond.passed and "beyond native's floor" in beyond.problems[-1]
 
 
+def test_a_problem_keeps_its_kind_through_copies_and_renders_as_its_text() -> None:
+    import copy
+    import pickle
+
+    p = Problem(ProblemKind.NUMERIC, "token mismatch in 1 request(s)")
+    for again in (copy.deepcopy(p), pickle.loads(pickle.dumps(p))):
+        assert again == p and again.kind is ProblemKind.NUMERIC
+    row = _differs(FA3_CASE, 1)
+    assert row.to_record()["problems"] == "token mismatch in 1 request(s), first r0@3"
+
+
 def test_the_floor_takes_only_numeric_problems_by_kind_not_by_wording() -> None:
     """A problem of another kind fails the row whatever native did, however it is worded."""
     cases = {FA3_BASELINE.case_id: FA3_BASELINE, FA3_CASE.case_id: FA3_CASE}

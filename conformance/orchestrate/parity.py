@@ -33,6 +33,9 @@ class Problem(str):
         self.kind = kind
         return self
 
+    def __getnewargs__(self) -> tuple[ProblemKind, str]:  # type: ignore[override]  # copy and pickle rebuild it whole
+        return self.kind, str(self)
+
 
 @dataclass
 class KvComparison:
