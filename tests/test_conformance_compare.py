@@ -396,3 +396,14 @@ def test_the_summary_names_a_planned_engine_error() -> None:
     oth.teardown.live_children = ["EngineCore_DP0 (pid 7)"]  # type: ignore[union-attr]
     row, _ = compare_results(case, ref, oth, None, None, True)
     assert _who_and_match(row, "KVCached") == ("KVCached", "error")
+
+
+def test_a_row_is_exactly_its_three_parts() -> None:
+    """Every ParityRow field lives in one part (RowIdentity, RowCounts, RowVerdict), so a new
+    field is added where the stage that knows it builds its part, and nowhere else."""
+    from dataclasses import fields
+
+    from conformance.orchestrate.parity import ParityRow, RowCounts, RowIdentity, RowVerdict
+
+    parts = [f.name for part in (RowIdentity, RowCounts, RowVerdict) for f in fields(part)]
+    assert len(parts) == len(set(parts)) and set(parts) == {f.name for f in fields(ParityRow)}

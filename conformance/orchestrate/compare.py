@@ -40,8 +40,13 @@ from conformance.orchestrate.parity import (
     Problem,
     ProblemKind,
     RequestParity,
+    RowCounts,
+    RowIdentity,
+    RowVerdict,
+    assemble,
 )
-from conformance.results import CaseResult, KvSnapshotMeta, RequestRecord, SchedulerRan
+from conformance.results import CaseResult, EngineErrorRecord, KvSnapshotMeta, RequestRecord, SchedulerRan
+from kvcached.errors import InvariantError
 from kvcached.pages import PoolHealth
 
 
@@ -384,7 +389,7 @@ def _scheduler_checks(case: Case, pair: Pair) -> Findings:
     return found
 
 
-def _prefix_hit_checks(pair: Pair, row: ParityRow) -> Findings:
+def _prefix_hit_checks(pair: Pair, counts: RowCounts) -> Findings:
     """Prefix hits per request: equal to native's under native-equivalent caching, fewer
     (reported, not a fault) when the case caps kvcached's cached blocks.
 
@@ -397,7 +402,7 @@ def _prefix_hit_checks(pair: Pair, row: ParityRow) -> Findings:
     ref_hits = {r.rid: r.num_cached_tokens for r in pair.ref.requests or []}
     differ = [(r.rid, ref_hits.get(r.rid), r.num_cached_tokens) for r in pair.other.requests or []
               if ref_hits.get(r.rid) != r.num_cached_tokens]
-    native, other = row.prefix_hit_tokens_reference, row.prefix_hit_tokens_other
+    native, other = counts.prefix_hit_tokens_reference, counts.prefix_hit_tokens_other
     if case.fault.cached_cap is None:
         if differ:
             rid, a, b = differ[0]
@@ -414,32 +419,35 @@ def _prefix_hit_checks(pair: Pair, row: ParityRow) -> Findings:
     return found
 
 
-def fact_checks(pair: Pair, row: ParityRow) -> Findings:
-    """Stage 5: fault plans, budget, prefix hits, kvcached's copy counters, scheduler, pattern coverage.
+@dataclass(frozen=True)
+class Facts:
+    """Stage 5's result: what the plan's seam counted (or the budget's effects), and the findings."""
 
-    Sets ``row.injected_failures_fired``.
-    """
-    case, other, found = pair.case, pair.other, Findings()
+    fired: str
+    findings: Findings
+
+
+def fact_checks(pair: Pair, counts: RowCounts) -> Facts:
+    """Stage 5: fault plans, budget, prefix hits, kvcached's copy counters, scheduler, pattern coverage."""
+    case, other, found, fired = pair.case, pair.other, Findings(), ""
     if case.fault.rules and case.control is Control.NONE:
-        row.injected_failures_fired, f = _fault_plan_checks(case, other, row.partial_prefix_hits_other)
+        fired, f = _fault_plan_checks(case, other, counts.partial_prefix_hits_other)
         found.extend(f)
     if case.fault.physical_budget and case.control is Control.NONE:
-        row.injected_failures_fired, f = _budget_checks(other, row.preemptions_other, row.peak_mapped_bytes_other)
+        fired, f = _budget_checks(other, counts.preemptions_other, other.mapped_bytes_peak)
         found.extend(f)
     if other.kvcached is not None:
         per_rank = [c.block_copies for c in other.kvcached.copies]
-        if not per_rank or any(n != row.cow_copies_other for n in per_rank):
-            found.add(ProblemKind.CHECK, 
-                f"kvcached copied {per_rank} block pair(s) per rank but the scheduler asked for "
-                f"{row.cow_copies_other} on every rank"
-            )
+        if not per_rank or any(n != counts.cow_copies_other for n in per_rank):
+            found.add(ProblemKind.CHECK, f"kvcached copied {per_rank} block pair(s) per rank but the scheduler "
+                                         f"asked for {counts.cow_copies_other} on every rank")
     found.extend(_idle_checks(other))
-    found.extend(_prefix_hit_checks(pair, row))
+    found.extend(_prefix_hit_checks(pair, counts))
     found.extend(_scheduler_checks(case, pair))
     found.extend(_layout_checks(case, pair))
-    if case.pattern.value == "partial" and row.cow_copies_reference == 0:
+    if case.pattern.value == "partial" and counts.cow_copies_reference == 0:
         found.add(ProblemKind.CHECK, "partial-prefix pattern made no copy-on-write copy")
-    return found
+    return Facts(fired, found)
 
 
 # ---- stage 6: verdicts ---------------------------------------------------------------------------
@@ -461,27 +469,27 @@ class Evidence:
         return not self.tokens.exact or not self.kv_exact or not self.logprobs.equal
 
 
-def control_verdict(row: ParityRow, ev: Evidence, found: Findings) -> None:
-    """Negative controls invert the verdict: they pass only when a mismatch is detected."""
+def control_verdict(counts: RowCounts, ev: Evidence, found: Findings) -> tuple[str, bool]:
+    """Negative controls invert the verdict: they pass only when a mismatch is detected.
+    Returns (verdict, passed)."""
     if any(p.kind in (ProblemKind.ERROR, ProblemKind.MISSING) for p in found.problems):
-        row.verdict = "error"
-    elif ev.mismatch_found:
-        row.verdict, row.passed = "mismatch detected (expected)", True
-        what = []
-        if not ev.tokens.exact:
-            what.append(f"{row.requests - row.exact_matches} requests' tokens differ")
-        if not ev.kv_exact:
-            what.append(f"{ev.kv.compared - ev.kv.identical} KV blocks differ (max |Δ| {ev.kv.max_abs_diff:.3g})")
-        if not ev.logprobs.equal:
-            what.append(
-                f"logprobs differ (max |Δ| {ev.logprobs.max_abs_diff:.3g}, top-k sets differ at "
-                f"{ev.logprobs.topk_set_differs} positions)"
-            )
-        found.explanations.append("negative control caught: " + ", ".join(what))
-        found.problems = []
-    else:
-        row.verdict = "NOT DETECTED"
+        return "error", False
+    if not ev.mismatch_found:
         found.add(ProblemKind.CHECK, "negative control was not reported as a mismatch")
+        return "NOT DETECTED", False
+    what = []
+    if not ev.tokens.exact:
+        what.append(f"{counts.requests - counts.exact_matches} requests' tokens differ")
+    if not ev.kv_exact:
+        what.append(f"{ev.kv.compared - ev.kv.identical} KV blocks differ (max |Δ| {ev.kv.max_abs_diff:.3g})")
+    if not ev.logprobs.equal:
+        what.append(
+            f"logprobs differ (max |Δ| {ev.logprobs.max_abs_diff:.3g}, top-k sets differ at "
+            f"{ev.logprobs.topk_set_differs} positions)"
+        )
+    found.explanations.append("negative control caught: " + ", ".join(what))
+    found.problems = []
+    return "mismatch detected (expected)", True
 
 
 def _numeric_findings(case: Case, ev: Evidence, found: Findings) -> None:
@@ -506,26 +514,23 @@ def _numeric_findings(case: Case, ev: Evidence, found: Findings) -> None:
         found.explanations.append(f"schedule diverged at step {step}, yet KV and logprobs are bit-identical")
 
 
-def candidate_verdict(case: Case, row: ParityRow, ev: Evidence, found: Findings) -> None:
-    """Tokens exact always; KV and logprobs exact under the same schedule."""
-    if not (row.complete_reference == row.requests and row.complete_other == row.requests):
-        found.add(ProblemKind.CHECK, 
-            f"incomplete requests: reference {row.complete_reference}, other {row.complete_other} of {row.requests}"
-        )
+def candidate_verdict(case: Case, counts: RowCounts, ev: Evidence, found: Findings) -> tuple[str, bool]:
+    """Tokens exact always; KV and logprobs exact under the same schedule. Returns (verdict, passed)."""
+    if not (counts.complete_reference == counts.requests and counts.complete_other == counts.requests):
+        found.add(ProblemKind.CHECK, f"incomplete requests: reference {counts.complete_reference}, other "
+                                     f"{counts.complete_other} of {counts.requests}")
     if not ev.tokens.exact:
         bad = [p for p in ev.tokens.stable if not p.exact]
         first = min(bad, key=lambda p: p.first_divergence or 0)
         found.add(ProblemKind.NUMERIC, f"token mismatch in {len(bad)} request(s), first {first.rid}@{first.first_divergence}")
     _numeric_findings(case, ev, found)
-    row.passed = not found.problems
-    if row.passed and ev.tokens.unstable and row.exact_matches < row.requests:
-        row.verdict = "exact where native is self-consistent"
-    elif row.passed:
-        row.verdict = "exact" if (ev.kv_exact and ev.logprobs.equal) else "tokens exact, numeric diff explained"
-    else:
+    if found.problems:
         # A KV snapshot that is missing is a mismatch here (the case ran), but an error for a
         # negative control (it cannot have caught anything without it).
-        row.verdict = "error" if any(p.kind is ProblemKind.ERROR for p in found.problems) else "MISMATCH"
+        return ("error" if any(p.kind is ProblemKind.ERROR for p in found.problems) else "MISMATCH"), False
+    if ev.tokens.unstable and counts.exact_matches < counts.requests:
+        return "exact where native is self-consistent", True
+    return ("exact" if (ev.kv_exact and ev.logprobs.equal) else "tokens exact, numeric diff explained"), True
 
 
 # ---- the pipeline ----------------------------------------------------------------------------------
@@ -562,11 +567,10 @@ def comparison_label(case: Case, other_engine: str) -> str:
     return f"negative control: {case.control.value}"
 
 
-def _new_row(pair: Pair) -> ParityRow:
-    """The row before any stage ran: identity, what ran, memory, and zero counts."""
+def _identity(pair: Pair) -> RowIdentity:
+    """What the row compares and what really ran."""
     case, ref, other = pair.case, pair.ref, pair.other
-    zero: dict[str, Any] = {f: 0 for f in ParityRow.COUNT_FIELDS}
-    return ParityRow(
+    return RowIdentity(
         case_id=case.case_id, comparison=comparison_label(case, other.engine), archetype=case.archetype.name,
         scheduling=case.scheduling.value, pattern=case.pattern.value, lengths=case.lengths.value,
         prefix_caching=case.prefix_caching, fault_plan=case.fault.name, control=case.control.value,
@@ -575,42 +579,45 @@ def _new_row(pair: Pair) -> ParityRow:
         async_scheduling_reference=ref.scheduler.async_scheduling if ref.scheduler else None,
         async_scheduling_other=other.scheduler.async_scheduling if other.scheduler else None,
         layout=case.layout.value, layout_reference=_layout_ran(ref.scheduler), layout_other=_layout_ran(other.scheduler),
-        first_divergence="", kv_max_abs_diff=0.0, logprobs_equal=False, logprob_max_abs_diff=0.0,
-        injected_failures_fired="", injected_failures_expected=case.fault.expected_fired,
+        injected_failures_expected=case.fault.expected_fired,
         peak_mapped_bytes_reference=ref.mapped_bytes_peak, peak_mapped_bytes_other=other.mapped_bytes_peak,
         final_mapped_bytes_reference=ref.mapped_bytes_final, final_mapped_bytes_other=other.mapped_bytes_final,
-        same_schedule=False, schedule_divergence_step=None, verdict="error", passed=False,
         wall_s_reference=ref.t_total or 0.0, wall_s_other=other.t_total or 0.0,
-        native_defect_reference=ref.native_defect or "", **zero,
+        native_defect_reference=ref.native_defect or "",
     )  # fmt: skip
 
 
-def _fill_counts(row: ParityRow, pair: Pair, ev: Evidence) -> None:
-    ref, other, reqs = pair.ref, pair.other, ev.tokens.requests
+def _first_divergence_text(tokens: TokenParity) -> str:
+    if not (divs := tokens.divergences):
+        return ""
+    first = min(divs, key=lambda p: p.first_divergence or 0)
+    return f"{first.rid}@{first.first_divergence} ({len(divs)} req)"
+
+
+def _counts(pair: Pair, ev: Evidence) -> RowCounts:
+    """Stages 1-4 counted: requests and tokens, KV, logprobs, prefix hits, copies, preemptions."""
+    ref, other, reqs, kv = pair.ref, pair.other, ev.tokens.requests, ev.kv
     ref_reqs, oth_reqs = ref.requests or [], other.requests or []
-    row.requests = len(ref_reqs)
-    row.complete_reference = sum(p.ref_complete for p in reqs)
-    row.complete_other = sum(p.other_complete for p in reqs)
-    row.output_tokens_reference = sum(len(r.token_ids) for r in ref_reqs)
-    row.output_tokens_other = sum(len(r.token_ids) for r in oth_reqs)
-    row.expected_output_tokens = pair.case.max_tokens * len(ref_reqs)
-    row.exact_matches = sum(p.exact for p in reqs)
-    row.native_unstable_requests = len(ev.tokens.unstable)
-    if divs := ev.tokens.divergences:
-        first = min(divs, key=lambda p: p.first_divergence or 0)
-        row.first_divergence = f"{first.rid}@{first.first_divergence} ({len(divs)} req)"
-    row.logprobs_equal, row.logprob_max_abs_diff = ev.logprobs.equal, ev.logprobs.max_abs_diff
-    row.prefix_hit_tokens_reference = sum(r.num_cached_tokens for r in ref_reqs)
-    row.prefix_hit_tokens_other = sum(r.num_cached_tokens for r in oth_reqs)
-    assert ref.probe is not None and other.probe is not None and ref.metrics and other.metrics
-    row.cow_copies_reference, row.cow_copies_other = ref.probe.copies_total, other.probe.copies_total
-    row.partial_prefix_hits_other = other.probe.partial_prefix_hits
-    row.preemptions_reference, row.preemptions_other = int(ref.metrics.preemptions), int(other.metrics.preemptions)
-    row.same_schedule, row.schedule_divergence_step = ev.schedule.same, ev.schedule.divergence_step
-    kv = ev.kv
-    row.kv_blocks_compared, row.kv_blocks_identical = kv.compared, kv.identical
-    row.kv_only_reference, row.kv_only_other, row.kv_key_variants = kv.only_reference, kv.only_other, kv.variants
-    row.kv_max_abs_diff = kv.max_abs_diff
+    if ref.probe is None or other.probe is None or ref.metrics is None or other.metrics is None:
+        raise InvariantError("counts of a comparison whose engines did not both run (see _ran)")
+    return RowCounts(
+        requests=len(ref_reqs), complete_reference=sum(p.ref_complete for p in reqs),
+        complete_other=sum(p.other_complete for p in reqs),
+        output_tokens_reference=sum(len(r.token_ids) for r in ref_reqs),
+        output_tokens_other=sum(len(r.token_ids) for r in oth_reqs),
+        expected_output_tokens=pair.case.max_tokens * len(ref_reqs), exact_matches=sum(p.exact for p in reqs),
+        first_divergence=_first_divergence_text(ev.tokens),
+        kv_blocks_compared=kv.compared, kv_blocks_identical=kv.identical, kv_only_reference=kv.only_reference,
+        kv_only_other=kv.only_other, kv_max_abs_diff=kv.max_abs_diff, kv_key_variants=kv.variants,
+        native_unstable_requests=len(ev.tokens.unstable),
+        logprobs_equal=ev.logprobs.equal, logprob_max_abs_diff=ev.logprobs.max_abs_diff,
+        prefix_hit_tokens_reference=sum(r.num_cached_tokens for r in ref_reqs),
+        prefix_hit_tokens_other=sum(r.num_cached_tokens for r in oth_reqs),
+        partial_prefix_hits_other=other.probe.partial_prefix_hits,
+        cow_copies_reference=ref.probe.copies_total, cow_copies_other=other.probe.copies_total,
+        preemptions_reference=int(ref.metrics.preemptions), preemptions_other=int(other.metrics.preemptions),
+        same_schedule=ev.schedule.same, schedule_divergence_step=ev.schedule.divergence_step,
+    )  # fmt: skip
 
 
 def _ran(res: CaseResult) -> bool:
@@ -658,67 +665,85 @@ def _teardown_checks(other: CaseResult) -> Findings:
     return found
 
 
+def _sides_failed(pair: Pair) -> Findings:
+    found = Findings()
+    for side, res in (("reference", pair.ref), ("other", pair.other)):
+        if res.error:
+            found.add(ProblemKind.ERROR, f"{side} error: {res.error}")
+    return found
+
+
+@dataclass(frozen=True)
+class BeforeTheError:
+    """What the passes before a planned engine error showed: the error the client got, and
+    the parity of the requests that had finished."""
+
+    engine_error: str
+    counts: RowCounts
+    requests: list[RequestParity]
+    findings: Findings
+
+
+def before_the_error(pair: Pair, err: EngineErrorRecord, ref_requests: list[RequestRecord]) -> BeforeTheError:
+    found = Findings()
+    text = f"pass {err.pass_no}: {err.error_type}"
+    before = pair.ref.model_copy(update={"requests": [r for r in ref_requests if r.pass_no < err.pass_no]})
+    if not (before.requests or pair.other.requests):
+        found.explanations.append("the engine error came in pass 1: no request had finished before it")
+        return BeforeTheError(text, RowCounts(), [], found)
+    tokens = token_parity(pair.case, before, pair.other)
+    counts = RowCounts(requests=len(before.requests or []), exact_matches=sum(p.exact for p in tokens.requests))
+    if not tokens.exact:
+        found.add(ProblemKind.NUMERIC, f"tokens before the engine error differ on "
+                                       f"{counts.requests - counts.exact_matches} request(s)")
+    found.extend(tokens.findings)
+    return BeforeTheError(text, counts, tokens.requests, found)
+
+
 def engine_error_verdict(pair: Pair) -> tuple[ParityRow, list[RequestParity]]:
     """The client got the planned error, the passes before it gave native's tokens, the fault
     fired as planned, and the engine returned everything (`_teardown_checks`)."""
     case, ref, other = pair.case, pair.ref, pair.other
-    row, found = _new_row(pair), Findings()
-    for side, res in (("reference", ref), ("other", other)):
-        if res.error:
-            found.add(ProblemKind.ERROR, f"{side} error: {res.error}")
-    err, requests = other.engine_error, []
+    found = _sides_failed(pair)
+    err, before = other.engine_error, BeforeTheError("", RowCounts(), [], Findings())
     if err is None:
         found.add(ProblemKind.CHECK, "the plan should end in an engine error, but every pass completed")
     elif ref.requests is not None and not found.problems:
-        row.engine_error = f"pass {err.pass_no}: {err.error_type}"
-        before = ref.model_copy(update={"requests": [r for r in ref.requests if r.pass_no < err.pass_no]})
-        if before.requests or other.requests:
-            tokens = token_parity(case, before, other)
-            requests = tokens.requests
-            row.requests, row.exact_matches = len(before.requests or []), sum(p.exact for p in requests)
-            if not tokens.exact:
-                found.add(ProblemKind.NUMERIC, f"tokens before the engine error differ on "
-                                      f"{row.requests - row.exact_matches} request(s)")
-            found.extend(tokens.findings)
-        else:
-            found.explanations.append("the engine error came in pass 1: no request had finished before it")
-    row.injected_failures_fired, f = _fired_as_planned(case, other)
-    found.extend(f)
-    found.extend(_teardown_checks(other))
-    found.extend(_scheduler_checks(case, pair))
-    found.extend(_layout_checks(case, pair))
-    row.passed = not found.problems
-    row.verdict = "engine error as planned" if row.passed else "error"
-    row.problems, row.explanations = found.problems, found.explanations
-    return row, requests
+        before = before_the_error(pair, err, ref.requests)
+        found.extend(before.findings)
+    fired, f = _fired_as_planned(case, other)
+    for stage in (f, _teardown_checks(other), _scheduler_checks(case, pair), _layout_checks(case, pair)):
+        found.extend(stage)
+    passed = not found.problems
+    verdict = RowVerdict("engine error as planned" if passed else "error", passed, found.problems,
+                         found.explanations, injected_failures_fired=fired, engine_error=before.engine_error)
+    return assemble(_identity(pair), before.counts, verdict), before.requests
 
 
 def compare(pair: Pair) -> tuple[ParityRow, list[RequestParity]]:
-    """Run every stage on one pair of results."""
+    """Run every stage on one pair of results; the row is assembled once, from their parts."""
     if pair.case.fault.ends_in_engine_error and pair.case.control is Control.NONE:
         return engine_error_verdict(pair)
-    row, found = _new_row(pair), Findings()
-    for side, res in (("reference", pair.ref), ("other", pair.other)):
-        if res.error:
-            found.add(ProblemKind.ERROR, f"{side} error: {res.error}")
+    found = _sides_failed(pair)
     if found.problems or not (_ran(pair.ref) and _ran(pair.other)):
-        row.problems = found.problems or [Problem(ProblemKind.MISSING, "missing request results")]
-        return row, []
+        problems = found.problems or [Problem(ProblemKind.MISSING, "missing request results")]
+        return assemble(_identity(pair), RowCounts(), RowVerdict(problems=problems)), []
     tokens = token_parity(pair.case, pair.ref, pair.other)
     logprobs = logprob_parity(pair.ref, pair.other, tokens)
     kv, kv_found = kv_parity(pair)
     ev = Evidence(tokens, logprobs, kv, schedule_parity(pair.ref, pair.other))
-    _fill_counts(row, pair, ev)
-    for f in (tokens.findings, kv_found, fact_checks(pair, row)):
+    counts = _counts(pair, ev)
+    facts = fact_checks(pair, counts)
+    for f in (tokens.findings, kv_found, facts.findings):
         found.extend(f)
     if pair.case.prefix_caching and kv.compared == 0 and not found.problems:
         found.add(ProblemKind.CHECK, "no KV block compared")
     if pair.case.control.expects_mismatch:
-        control_verdict(row, ev, found)
+        verdict, passed = control_verdict(counts, ev, found)
     else:
-        candidate_verdict(pair.case, row, ev, found)
-    row.problems, row.explanations = found.problems, found.explanations
-    return row, tokens.requests
+        verdict, passed = candidate_verdict(pair.case, counts, ev, found)
+    judged = RowVerdict(verdict, passed, found.problems, found.explanations, injected_failures_fired=facts.fired)
+    return assemble(_identity(pair), counts, judged), tokens.requests
 
 
 # ---- stage 7, over a whole run: native's own floor ------------------------------------------------

@@ -2,14 +2,16 @@
 
 ``ParityRow`` is one comparison (a case's candidate or control against the reference);
 ``RequestParity`` is one request of it. Both are plain dataclasses so a report, a CSV and a
-test read the same fields.
+test read the same fields. A row is built once, by `assemble`, from the comparison's three
+typed parts: `RowIdentity` (what was compared and what ran), `RowCounts` (what the stages
+counted) and `RowVerdict` (the judgement); their fields are the row's, each in one part.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
-from typing import Any, ClassVar
+from typing import Any
 
 from typing_extensions import Self
 
@@ -137,15 +139,6 @@ class ParityRow:
     wall_s_reference: float = 0.0
     wall_s_other: float = 0.0
 
-    #: Counts the comparison fills in; zero until it does (e.g. when an engine failed).
-    COUNT_FIELDS: ClassVar[tuple[str, ...]] = (
-        "requests", "complete_reference", "complete_other", "output_tokens_reference", "output_tokens_other",
-        "expected_output_tokens", "exact_matches", "kv_blocks_compared", "kv_blocks_identical",
-        "kv_only_reference", "kv_only_other", "kv_key_variants", "native_unstable_requests",
-        "prefix_hit_tokens_reference", "prefix_hit_tokens_other", "partial_prefix_hits_other",
-        "cow_copies_reference", "cow_copies_other", "preemptions_reference", "preemptions_other",
-    )  # fmt: skip
-
     @property
     def native_error(self) -> bool:
         """Native vLLM failed the case on its own (a known native defect): nothing to compare,
@@ -157,3 +150,84 @@ class ParityRow:
         d["problems"] = "; ".join(self.problems)
         d["explanations"] = "; ".join(self.explanations)
         return d
+
+
+@dataclass(frozen=True)
+class RowIdentity:
+    """What a row compares and what really ran (from the case and both results)."""
+
+    case_id: str
+    comparison: str
+    archetype: str
+    scheduling: str
+    pattern: str
+    lengths: str
+    prefix_caching: bool
+    fault_plan: str
+    control: str
+    fault_seam: str
+    scheduler_reference: str
+    scheduler_other: str
+    async_scheduling_reference: bool | None
+    async_scheduling_other: bool | None
+    layout: str
+    layout_reference: str
+    layout_other: str
+    injected_failures_expected: int
+    peak_mapped_bytes_reference: int
+    peak_mapped_bytes_other: int
+    final_mapped_bytes_reference: int
+    final_mapped_bytes_other: int
+    wall_s_reference: float
+    wall_s_other: float
+    native_defect_reference: str
+
+
+@dataclass(frozen=True)
+class RowCounts:
+    """What the comparison stages counted; the defaults are a row whose engines did not run."""
+
+    requests: int = 0
+    complete_reference: int = 0
+    complete_other: int = 0
+    output_tokens_reference: int = 0
+    output_tokens_other: int = 0
+    expected_output_tokens: int = 0
+    exact_matches: int = 0
+    first_divergence: str = ""
+    kv_blocks_compared: int = 0
+    kv_blocks_identical: int = 0
+    kv_only_reference: int = 0
+    kv_only_other: int = 0
+    kv_max_abs_diff: float = 0.0
+    kv_key_variants: int = 0
+    native_unstable_requests: int = 0
+    logprobs_equal: bool = False
+    logprob_max_abs_diff: float = 0.0
+    prefix_hit_tokens_reference: int = 0
+    prefix_hit_tokens_other: int = 0
+    partial_prefix_hits_other: int = 0
+    cow_copies_reference: int = 0
+    cow_copies_other: int = 0
+    preemptions_reference: int = 0
+    preemptions_other: int = 0
+    same_schedule: bool = False
+    schedule_divergence_step: int | None = None
+
+
+@dataclass(frozen=True)
+class RowVerdict:
+    """The judgement: the verdict, its problems and explanations, and the facts it rests on."""
+
+    verdict: str = "error"
+    passed: bool = False
+    problems: list[Problem] = field(default_factory=list)
+    explanations: list[str] = field(default_factory=list)
+    injected_failures_fired: str = ""  # what the plan's seam counted (or the budget's effects)
+    engine_error: str = ""  # the planned engine error the other side's client saw
+
+
+def assemble(identity: RowIdentity, counts: RowCounts, verdict: RowVerdict) -> ParityRow:
+    """The one place a `ParityRow` is built: its fields are exactly the three parts' fields."""
+    parts = (identity, counts, verdict)
+    return ParityRow(**{f.name: getattr(part, f.name) for part in parts for f in fields(part)})
