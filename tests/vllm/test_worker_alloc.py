@@ -240,6 +240,23 @@ def test_the_engine_config_is_resolved_once_and_carried_with_the_space(monkeypat
     assert second.config is not None and second.config.page_size == second.geometry.page_size == 2 * PAGE_SIZE
 
 
+def test_an_engines_explicit_settings_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's ``additional_config["kvcached"]`` carries one engine's settings (what the
+    conformance harness gives each case): they win over ``KVCACHED_*``, and are validated."""
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(2 * PAGE_SIZE))
+    monkeypatch.setenv("KVCACHED_MAX_CACHED_BLOCKS", "5")
+    explicit = SimpleNamespace(additional_config={"kvcached": {"page_size": PAGE_SIZE, "max_cached_blocks": -1}})
+    config = worker._resolve_engine_config(explicit)
+    assert (config.page_size, config.max_cached_blocks) == (PAGE_SIZE, -1)
+    assert worker._take_engine_config() is config  # the allocation plans with exactly this one
+    assert worker._resolve_engine_config(SimpleNamespace(additional_config={})).page_size == 2 * PAGE_SIZE
+    worker._take_engine_config()
+    with pytest.raises(ConfigError, match="unknown kvcached option"):
+        worker._resolve_engine_config(SimpleNamespace(additional_config={"kvcached": {"page_sise": PAGE_SIZE}}))
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        worker.engine_settings(SimpleNamespace(additional_config={"kvcached": PAGE_SIZE}))
+
+
 def test_layer_coverage_is_checked() -> None:
     config = KVCacheConfig(
         num_blocks=N,

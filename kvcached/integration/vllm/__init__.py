@@ -5,13 +5,26 @@ vLLM activates this through its ``vllm.general_plugins`` entry point
 imports nothing from vLLM; the submodules that patch vLLM import it themselves.
 
 `status` tells whether kvcached is installed into this process's vLLM and acting.
+
+Settings of one engine. ``KVCACHED_*`` variables configure every engine of a process; an
+engine can also be given its own settings explicitly, through vLLM's ``additional_config``
+under `ENGINE_CONFIG_KEY`, by `kvcached.config.KvcachedConfig` field name::
+
+    LLM(model, additional_config={"kvcached": {"page_size": 1 << 21, "max_cached_blocks": -1}})
+
+They win over the variables (which stay the defaults), reach every rank with vLLM's own
+config, and are validated like the variables (an unknown name or a bad value is a
+`kvcached.errors.ConfigError` when the engine starts).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["IntegrationStatus", "status"]
+__all__ = ["ENGINE_CONFIG_KEY", "IntegrationStatus", "status"]
+
+#: The key of vLLM's ``additional_config`` that holds an engine's explicit kvcached settings.
+ENGINE_CONFIG_KEY = "kvcached"
 
 
 @dataclass(frozen=True, slots=True)

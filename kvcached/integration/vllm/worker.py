@@ -68,7 +68,8 @@ gone and ``vllm.v1.worker.gpu_model_runner.allocate_kv_cache`` replaces both (be
     validates nothing before writing; kvcached's copy is kept on every series.
 
 Configuration. One `KvcachedConfig` per engine: the engine's first worker seam that needs
-it, the capacity report below, resolves it; the allocation seam plans the geometry and
+it, the capacity report below, resolves it (the engine's explicit settings, `engine_settings`,
+over the ``KVCACHED_*`` variables); the allocation seam plans the geometry and
 opens the ranges with that same config and registers it with the KV space; every rank
 reports it with its layout and the scheduler's pool takes it from there
 (`kvcached.space.KvSpace.config`). Nothing resolves it again, so
@@ -138,7 +139,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,7 +152,7 @@ from kvcached.copy import copy_blocks
 from kvcached.errors import ConfigError, CopyValidationError, IntegrationError
 from kvcached.faults import FaultInjector
 from kvcached.host import default_host_limit
-from kvcached.integration.vllm import install_state
+from kvcached.integration.vllm import ENGINE_CONFIG_KEY, install_state
 from kvcached.integration.vllm.capabilities import Capabilities
 from kvcached.integration.vllm.patching import PatchSet, own, require_own
 from kvcached.integration.vllm.view_regions import plan_regions, rebase
@@ -234,13 +235,25 @@ def _acting() -> bool:
 
 
 # ---- the engine's config ------------------------------------------------------------------
-def _resolve_engine_config() -> KvcachedConfig:
+def engine_settings(vllm_config: Any) -> dict[str, Any]:
+    """The explicit kvcached settings vLLM's config carries for this engine (`ENGINE_CONFIG_KEY`
+    of ``additional_config``; none: ``{}``). Names are checked by `KvcachedConfig.resolve`."""
+    extra = getattr(vllm_config, "additional_config", None)  # None: a worker without a vLLM config
+    settings = extra.get(ENGINE_CONFIG_KEY, {}) if isinstance(extra, Mapping) else {}
+    if not isinstance(settings, Mapping):
+        raise ConfigError(f"additional_config[{ENGINE_CONFIG_KEY!r}] must be a mapping of kvcached settings, "
+                          f"got {type(settings).__name__}")
+    return dict(settings)
+
+
+def _resolve_engine_config(vllm_config: Any) -> KvcachedConfig:
     """Resolve the config of the engine being built; its first seam (the capacity report) calls this.
 
-    Always resolved afresh: an engine that failed between its report and its allocation
-    must not leave its config to the next engine built in this process.
+    Its explicit settings (`engine_settings`) win over the ``KVCACHED_*`` variables. Always
+    resolved afresh: an engine that failed between its report and its allocation must not
+    leave its config to the next engine built in this process.
     """
-    config = KvcachedConfig.resolve()
+    config = KvcachedConfig.resolve(**engine_settings(vllm_config))
     with _lock:
         _state.config = config
     return config
@@ -694,7 +707,7 @@ def _wrap_cpu_determine(original: Callable[..., int], caps: Capabilities) -> Cal
     def determine_available_memory(self: Any) -> int:
         if not _acting():
             return original(self)
-        config = _resolve_engine_config()
+        config = _resolve_engine_config(getattr(self, "vllm_config", None))
         explicit = self.cache_config.kv_cache_memory_bytes
         if explicit is None:
             return capped_kv_bytes(original(self), config)  # vLLM's RSS-based sizing, checks included
@@ -714,7 +727,8 @@ def _wrap_gpu_determine(original: Callable[..., int]) -> Callable[..., int]:
         available = original(self)
         if not _acting():
             return available
-        return capped_kv_bytes(available, _resolve_engine_config(), _device_string(torch.device(self.device)))
+        return capped_kv_bytes(available, _resolve_engine_config(getattr(self, "vllm_config", None)),
+                               _device_string(torch.device(self.device)))
 
     return determine_available_memory
 
