@@ -42,7 +42,7 @@ from conformance.workload import Workload
 from kvcached.stats import PoolStats
 
 #: Bumped whenever a field changes meaning, appears or disappears.
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 Side = Literal["reference", "candidate", "control"]
 EngineKind = Literal["native", "kvcached"]
@@ -283,7 +283,9 @@ class CaseResult(_Strict):
     model: dict[str, Any] | None = None
     plan: Plan | None = None
     fault_seam: Literal["kvcached", "harness-emulated"] | None = None
-    kvcached_env: dict[str, str] = Field(default_factory=dict)
+    #: kvcached's settings for the engine, by `kvcached.config.KvcachedConfig` field name, as the
+    #: engine was given them (vLLM's ``additional_config``; empty for a native engine)
+    kvcached_config: dict[str, int | str] = Field(default_factory=dict)
     engine_kwargs: dict[str, Any] | None = None
     t_engine_start: float | None = None
     scheduler: SchedulerRan | None = None

@@ -54,6 +54,7 @@ from conformance.results import (
 from conformance.vllm_series import native_defect_of
 from conformance.workload import Prompt, Workload, build_workload, stable_seed
 from kvcached.faults import read_fired, read_plan, read_triggers, write_plan
+from kvcached.integration.vllm import ENGINE_CONFIG_KEY
 
 
 @dataclass
@@ -65,7 +66,8 @@ class _Knobs:
     fault_seam: str | None = None  # "kvcached" | "harness-emulated" | None
     plan_path: Path | None = None
     record_path: Path | None = None  # a budget record of the case's own (checked after teardown)
-    env: dict[str, str] = field(default_factory=dict)
+    #: kvcached's settings for this engine, by `KvcachedConfig` field name (empty: native)
+    kvcached: dict[str, int | str] = field(default_factory=dict)
 
 
 class Progress:
@@ -91,7 +93,9 @@ class CaseRunner:
         self._seam: Any = None  # the harness-emulated fault seam of the running case, if any
 
     # ----------------------------------------------------------------- engine construction
-    def _engine_kwargs(self, case: Case, model_dir: Path, max_model_len: int, kv_bytes: int) -> dict[str, Any]:
+    def _engine_kwargs(
+        self, case: Case, model_dir: Path, max_model_len: int, kv_bytes: int, kvcached: dict[str, int | str]
+    ) -> dict[str, Any]:
         from conformance.vllm_series import adjusted
 
         kw: dict[str, Any] = {
@@ -111,6 +115,10 @@ class CaseRunner:
             **dict(self.device.engine_kwargs),
             **dict(case.archetype.engine_kwargs),
         }
+        if kvcached:
+            # This engine's kvcached settings, handed to it explicitly (they reach every rank
+            # with vLLM's config; `kvcached.integration.vllm.ENGINE_CONFIG_KEY`).
+            kw["additional_config"] = {ENGINE_CONFIG_KEY: dict(kvcached)}
         # The case's own execution mode and attention backend come last: they are what it tests.
         if case.compiled:
             kw["enforce_eager"] = False
@@ -142,7 +150,7 @@ class CaseRunner:
     def _probe_geometry(self, case: Case, model_dir: Path) -> Geometry:
         key = f"{case.archetype.name}|{case.prefix_caching}"
         if key not in self.geometry_cache:
-            kwargs = self._engine_kwargs(case, model_dir, self.device.max_model_len, self.job.kv_cache_bytes)
+            kwargs = self._engine_kwargs(case, model_dir, self.device.max_model_len, self.job.kv_cache_bytes, {})
             handle = self._build(case, kwargs)
             try:
                 self.geometry_cache[key] = handle.geometry(self.job.page_size)
@@ -174,7 +182,7 @@ class CaseRunner:
         return Plan(max_model_len=max_model_len, page_size=geo.page_size_bytes, budget=budget)
 
     def _knobs(self, case: Case, plan: Plan) -> _Knobs:
-        """What this side changes for the case: fault plan file, budget, page size, env."""
+        """What this side changes for the case: fault plan file, budget, page size, kvcached's settings."""
         kn = _Knobs(kv_bytes=self.job.kv_cache_bytes, page_size=plan.page_size or self.job.page_size)
         kvcached = self.job.engine == "kvcached"
         if self.job.side == "candidate" and not case.fault.is_none:
@@ -182,12 +190,12 @@ class CaseRunner:
             if case.fault.rules:
                 kn.plan_path = write_plan(self.job.out_dir / f"{case.case_id}.plan.json", case.fault.rules)
                 if kvcached:
-                    kn.env["KVCACHED_FAULT_PLAN"] = str(kn.plan_path)
+                    kn.kvcached["fault_plan"] = str(kn.plan_path)
             if case.fault.physical_budget and plan.budget is not None:
                 if kvcached:
                     # The global limit of a record of the case's own: the host's shared
                     # record must not take one engine's limit (nor refuse the next one's).
-                    kn.env["KVCACHED_BUDGET_BYTES"] = str(plan.budget.kvcached_budget_bytes)
+                    kn.kvcached["budget_bytes"] = plan.budget.kvcached_budget_bytes
                     kn.record_path = self.job.out_dir / f"{case.case_id}.budget"
                 else:
                     kn.kv_bytes = plan.budget.native_kv_cache_bytes
@@ -196,15 +204,15 @@ class CaseRunner:
                 # given back" is a fact about this engine alone.
                 kn.record_path = self.job.out_dir / f"{case.case_id}.budget"
             if kn.record_path is not None:
-                kn.env["KVCACHED_BUDGET_PATH"] = str(kn.record_path)
+                kn.kvcached["budget_path"] = str(kn.record_path)
         if kvcached:
             if kn.page_size is None:
                 raise RuntimeError("a kvcached engine needs the page size planned by the reference")
-            kn.env["KVCACHED_PAGE_SIZE"] = str(kn.page_size)
+            kn.kvcached["page_size"] = kn.page_size
             # Native-equivalent caching (no cap), so prefix hits are compared, unless the
             # candidate's case asks for a cap.
             cap = case.fault.cached_cap if self.job.side == "candidate" else None
-            kn.env["KVCACHED_MAX_CACHED_BLOCKS"] = str(-1 if cap is None else cap)
+            kn.kvcached["max_cached_blocks"] = -1 if cap is None else cap
         return kn
 
     def _workload(self, entry: JobEntry, case: Case, plan: Plan, geo: Geometry) -> Workload:
@@ -234,11 +242,9 @@ class CaseRunner:
             model_dir = self._model(case, res)
             res.plan = entry.plan or self._plan(case, model_dir)
             knobs = self._knobs(case, res.plan)
-            res.fault_seam, res.kvcached_env = knobs.fault_seam, dict(knobs.env)  # type: ignore[assignment]
-            # kvcached resolves its configuration when the engine starts: set the knobs just
-            # for this engine, removed again in `finally`.
-            os.environ.update(knobs.env)
-            res.engine_kwargs = self._engine_kwargs(case, model_dir, res.plan.max_model_len, knobs.kv_bytes)
+            res.fault_seam, res.kvcached_config = knobs.fault_seam, dict(knobs.kvcached)  # type: ignore[assignment]
+            res.engine_kwargs = self._engine_kwargs(case, model_dir, res.plan.max_model_len, knobs.kv_bytes,
+                                                    knobs.kvcached)
             t_b = time.monotonic()
             handle = self._build(case, res.engine_kwargs)
             res.t_engine_start = round(time.monotonic() - t_b, 3)
@@ -247,8 +253,6 @@ class CaseRunner:
             res.error, res.traceback = f"{type(e).__name__}: {e}", traceback.format_exc()
             res.native_defect = native_defect_of(e)
         finally:
-            for k in knobs.env if knobs else ():
-                os.environ.pop(k, None)
             self._teardown(handle, res)
             del handle
             gc.collect()

@@ -27,8 +27,8 @@ from conformance.results import CaseResult
 EPILOG = """
 Sides and processes:
   reference  native vLLM (KVCACHED_ENABLE unset); derives every workload from its engine's geometry
-  candidate  --candidate kvcached: the same engine code with KVCACHED_ENABLE=1, KVCACHED_PAGE_SIZE,
-             and per case KVCACHED_FAULT_PLAN / KVCACHED_BUDGET_BYTES;
+  candidate  --candidate kvcached: the same engine code with KVCACHED_ENABLE=1; each engine gets its
+             kvcached settings (page size, and per case fault plan / budget) in additional_config;
              --candidate native: native vLLM again (harness self-test; fault plans use a
              harness-emulated seam and the budget is a small kv_cache_memory_bytes)
   control    native vLLM: the native-vs-native noise baseline and the negative controls
