@@ -169,7 +169,7 @@ def rows_from_cases(version: str, cases_csv: Path) -> tuple[tuple[CompatRow, ...
     A missing ``cases.csv`` (the harness itself failed) is one ``error`` row, never an empty
     table; so is a matrix without any kvcached comparison.
     """
-    import pandas as pd
+    import pandas as pd  # type: ignore[import-untyped]  # no pandas-stubs in the environment
 
     if not cases_csv.is_file():
         return (CompatRow(version, "*", "*", "*", "*", "error", f"the conformance run wrote no {cases_csv.name}"),), False

@@ -201,7 +201,7 @@ class Sampler(threading.Thread):
 
 def open_descriptors(server: Server) -> tuple[int, int]:
     """Open file descriptors, and memfds among them, over the server's process tree."""
-    import psutil
+    import psutil  # type: ignore[import-untyped]  # no types-psutil in the environment
 
     root = psutil.Process(server.proc.pid)
     return descriptors([root.pid, *(p.pid for p in root.children(recursive=True))])
@@ -408,7 +408,8 @@ def shared_side(plan: SharingPlan, work: Path, reference: Reference,
             sampler.join(10)
             result.samples = sampler.rows
         for label, server in stage.servers.items():
-            result.exits[label] = server.proc.poll() if server.proc.poll() is not None else 0
+            code = server.proc.poll()
+            result.exits[label] = code if code is not None else 0
 
 
 def run_scenario(stage: Stage) -> None:

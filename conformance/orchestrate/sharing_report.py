@@ -17,10 +17,10 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
-import pandas as pd
+import pandas as pd  # type: ignore[import-untyped]  # no pandas-stubs in the environment
 
 from conformance.orchestrate.retrial import TIE, Difference
-from conformance.orchestrate.sharing import MiB, SharingPlan, SharingResult, run
+from conformance.orchestrate.sharing import Burst, MiB, SharingPlan, SharingResult, run
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,8 @@ def _native_panel(ax, r: SharingResult, budget: float) -> None:
     bars = [ax.bar([i - 0.2 for i in x], native, 0.4, color="grey", hatch="//",
                    label=f"native: the engine's static half of {budget:.0f} MiB"),
             ax.bar([i + 0.2 for i in x], shared, 0.4, color="#55A868", label="kvcached: mapped at the burst's peak")]
-    for group, bursts in zip(bars, (r.native_bursts, [ours.get(b.label) for b in r.native_bursts]), strict=True):
+    per_bar: list[list[Burst | None]] = [list(r.native_bursts), [ours.get(b.label) for b in r.native_bursts]]
+    for group, bursts in zip(bars, per_bar, strict=True):
         for rect, b in zip(group, bursts, strict=True):
             if b is not None:
                 ax.text(rect.get_x() + rect.get_width() / 2, rect.get_height(), f"{b.end_s - b.start_s:.1f} s",

@@ -199,7 +199,7 @@ def _traffic(server: Server, traffic: Traffic, seconds: float, result: SoakResul
 def _rss(server: Server) -> tuple[int, int]:
     """RSS of the server's process tree, and of the vLLM workers in it (their process title,
     set by vLLM, names them ``VLLM::Worker...``)."""
-    import psutil
+    import psutil  # type: ignore[import-untyped]  # no types-psutil in the environment
 
     root = psutil.Process(server.proc.pid)
     total = workers = 0
