@@ -406,13 +406,12 @@ def _prefix_hit_checks(pair: Pair, counts: RowCounts) -> Findings:
     if case.fault.cached_cap is None:
         if differ:
             rid, a, b = differ[0]
-            found.add(ProblemKind.CHECK, 
-                f"prefix hits differ from native on {len(differ)} request(s) (first {rid}: {a} vs {b} tokens)"
-            )
+            found.add(ProblemKind.CHECK,
+                      f"prefix hits differ from native on {len(differ)} request(s) (first {rid}: {a} vs {b} tokens)")
     elif pair.other.engine == "kvcached":
         if other >= native:
             found.add(ProblemKind.CHECK, f"the cap of {case.fault.cached_cap} cached blocks evicted no prefix hit "
-                                  f"({native} native vs {other} hit tokens): the case tested nothing")
+                                         f"({native} native vs {other} hit tokens): the case tested nothing")
         else:
             found.explanations.append(f"prefix hits differ by design (cap of {case.fault.cached_cap} cached blocks): "
                                       f"{native} native vs {other} hit tokens on {len(differ)} request(s)")
@@ -497,12 +496,12 @@ def _numeric_findings(case: Case, ev: Evidence, found: Findings) -> None:
     lp, kv, step = ev.logprobs, ev.kv, ev.schedule.divergence_step
     if ev.schedule.same:
         if not ev.kv_exact:
-            found.add(ProblemKind.NUMERIC, f"same schedule but KV differs ({kv.first_mismatch}, max |Δ| {kv.max_abs_diff:.3g})")
+            found.add(ProblemKind.NUMERIC,
+                      f"same schedule but KV differs ({kv.first_mismatch}, max |Δ| {kv.max_abs_diff:.3g})")
         if not lp.equal:
-            found.add(ProblemKind.NUMERIC, 
-                f"same schedule but logprobs differ (max |Δ| {lp.max_abs_diff:.3g} over shared top-k tokens; "
-                f"top-k sets differ at {lp.topk_set_differs} positions)"
-            )
+            found.add(ProblemKind.NUMERIC,
+                      f"same schedule but logprobs differ (max |Δ| {lp.max_abs_diff:.3g} over shared top-k tokens; "
+                      f"top-k sets differ at {lp.topk_set_differs} positions)")
     elif not ev.kv_exact or not lp.equal:
         cause = case.fault.name if not case.fault.is_none else "batching"
         found.explanations.append(
@@ -652,7 +651,7 @@ def _teardown_checks(other: CaseResult) -> Findings:
             found.add(ProblemKind.CHECK, "the case's budget record was never written (kvcached not running?)")
         elif t.record_live_slots or t.record_charged_bytes:
             found.add(ProblemKind.CHECK, f"memory not returned: {t.record_live_slots} live budget slot(s) holding "
-                                  f"{t.record_charged_bytes} bytes after shutdown")
+                                         f"{t.record_charged_bytes} bytes after shutdown")
     if t.registered_spaces:
         found.add(ProblemKind.CHECK, f"{t.registered_spaces} kvcached KV space(s) still registered after shutdown")
     if t.memfds_after > t.memfds_before:
