@@ -110,7 +110,8 @@ def _differs(case: C.Case, n: int) -> object:
 
 def test_a_differing_fa3_baseline_is_the_floor_and_nothing_is_called_exact() -> None:
     floor, exact = _differs(FA3_BASELINE, 2), _row(FA3_CASE)
-    judge_against_native_floor([floor, exact], {FA3_BASELINE.case_id: FA3_BASELINE, FA3_CASE.case_id: FA3_CASE})
+    floor, exact = judge_against_native_floor([floor, exact], {FA3_BASELINE.case_id: FA3_BASELINE,
+                                                               FA3_CASE.case_id: FA3_CASE})
     assert floor.passed and floor.verdict == "native floor: 2 of 3 requests differ"
     assert exact.passed and exact.verdict.startswith("within native's floor (0 of 3")
 
@@ -118,10 +119,12 @@ def test_a_differing_fa3_baseline_is_the_floor_and_nothing_is_called_exact() -> 
 def test_a_row_within_the_floor_passes_and_one_beyond_it_fails() -> None:
     cases = {FA3_BASELINE.case_id: FA3_BASELINE, FA3_CASE.case_id: FA3_CASE}
     floor, within = _differs(FA3_BASELINE, 2), _differs(FA3_CASE, 2)
-    judge_against_native_floor([floor, within], cases)
+    given = within
+    floor, within = judge_against_native_floor([floor, within], cases)
+    assert not given.passed  # the rows given are left as they were
     assert within.passed and not within.problems
     floor, beyond = _differs(FA3_BASELINE, 1), _differs(FA3_CASE, 2)
-    judge_against_native_floor([floor, beyond], cases)
+    floor, beyond = judge_against_native_floor([floor, beyond], cases)
     assert not beyond.passed and "beyond native's floor" in beyond.problems[-1]
 
 
@@ -141,7 +144,7 @@ def test_the_floor_takes_only_numeric_problems_by_kind_not_by_wording() -> None:
     cases = {FA3_BASELINE.case_id: FA3_BASELINE, FA3_CASE.case_id: FA3_CASE}
     floor, row = _differs(FA3_BASELINE, 2), _differs(FA3_CASE, 1)
     row.problems.append(Problem(ProblemKind.CHECK, "token mismatch in the fired counts"))
-    judge_against_native_floor([floor, row], cases)
+    floor, row = judge_against_native_floor([floor, row], cases)
     assert floor.passed and not row.passed and "beyond native's floor" in row.problems[-1]
 
 
@@ -149,10 +152,12 @@ def test_an_exact_floor_changes_nothing_and_other_baselines_must_stay_exact() ->
     triton_case = C.Case(C.ARCHETYPES["llama"], max_tokens=4)
     triton_base = replace(triton_case, control=C.Control.BASELINE)
     base_row, row = _differs(triton_base, 1), _differs(triton_case, 1)
-    judge_against_native_floor([base_row, row], {triton_base.case_id: triton_base, triton_case.case_id: triton_case})
+    base_row, row = judge_against_native_floor([base_row, row], {triton_base.case_id: triton_base,
+                                                                 triton_case.case_id: triton_case})
     assert not base_row.passed and not row.passed  # outside FlashAttention 3 a baseline must be exact
     floor, fails = _row(FA3_BASELINE), _differs(FA3_CASE, 1)
-    judge_against_native_floor([floor, fails], {FA3_BASELINE.case_id: FA3_BASELINE, FA3_CASE.case_id: FA3_CASE})
+    floor, fails = judge_against_native_floor([floor, fails], {FA3_BASELINE.case_id: FA3_BASELINE,
+                                                               FA3_CASE.case_id: FA3_CASE})
     assert floor.verdict == "exact" and not fails.passed
 
 

@@ -215,6 +215,12 @@ class Collected:
         for side, series in other.memory.items():
             self.memory[side] += series
 
+    def rejudged(self, rows: list[ParityRow]) -> None:
+        """Take the rows a run-wide stage judged again (one per case id, as before)."""
+        by_case = {r.case_id: r for r in rows}
+        self.rows = rows
+        self.per_case = [(by_case[row.case_id], reqs) for row, reqs in self.per_case]
+
     def add(self, case: C.Case, row: ParityRow, reqs: list[RequestParity], ref: CaseResult, oth: CaseResult) -> None:
         self.rows.append(row)
         self.per_case.append((row, reqs))
@@ -354,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress.log(f"[conformance] run {cfg.run_dir.name}: {len(cases) - n_ctrl} cases + {n_ctrl} controls, "
                      f"candidate={args.candidate}; results under {cfg.run_dir}")
         runner, out = _run_matrix(cfg, cases, progress, run_engines=not args.recompare)
-    judge_against_native_floor(out.rows, {c.case_id: c for c in cases})
+    out.rejudged(judge_against_native_floor(out.rows, {c.case_id: c for c in cases}))
     if not args.keep_kv:
         for npz in runner.raw.rglob("*.npz"):
             npz.unlink()

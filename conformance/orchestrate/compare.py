@@ -756,7 +756,7 @@ def _differing(row: ParityRow) -> int:
     return row.requests - row.exact_matches
 
 
-def judge_against_native_floor(rows: list[ParityRow], cases: dict[str, Case]) -> None:
+def judge_against_native_floor(rows: list[ParityRow], cases: dict[str, Case]) -> list[ParityRow]:
     """A row is exact only where native was exact; where native is not, its baseline is the floor.
 
     A baseline control runs a case again on native (native vs native). For a case on an
@@ -766,25 +766,34 @@ def judge_against_native_floor(rows: list[ParityRow], cases: dict[str, Case]) ->
     and every row of the same case is judged against it. Such a row passes when it differs from
     native in no more requests than native differed from itself, and is never called exact.
     Everywhere else a baseline must be exact (a differing one fails, as before).
+
+    Returns the rows, those re-judged replaced by new rows (the given ones are left as they are).
     """
-    for floor in rows:
+    out = list(rows)
+    for i, floor in enumerate(rows):
         case = cases[floor.case_id]
         if (case.control is not Control.BASELINE or case.attention not in NATIVE_FLOOR_BACKENDS
                 or floor.verdict == "exact" or any(not _numeric(p) for p in floor.problems)):
             continue
+        out[i] = floor = replace(
+            floor, problems=[], passed=True, explanations=floor.explanations + [f"native floor: {p}" for p in floor.problems],
+            verdict=f"native floor: {_differing(floor)} of {floor.requests} requests differ")  # fmt: skip
         base = replace(case, control=Control.NONE).case_id
-        floor.explanations += [f"native floor: {p}" for p in floor.problems]
-        floor.problems, floor.passed = [], True
-        floor.verdict = f"native floor: {_differing(floor)} of {floor.requests} requests differ"
-        for row in (r for r in rows if r.case_id == base):
-            numeric = all(_numeric(p) for p in row.problems)
-            if row.passed or (numeric and _differing(row) <= _differing(floor)):
-                row.explanations += [f"within native's floor ({floor.verdict}): {p}" for p in row.problems]
-                row.problems, row.passed = [], True
-                row.verdict = f"within native's floor ({_differing(row)} of {row.requests} requests differ)"
-            else:
-                row.problems.append(Problem(ProblemKind.CHECK, f"beyond native's floor: {_differing(row)} requests "
-                                            f"differ, native's own baseline {_differing(floor)}"))
+        out = [_against_floor(row, floor) if row.case_id == base else row for row in out]
+    return out
+
+
+def _against_floor(row: ParityRow, floor: ParityRow) -> ParityRow:
+    """``row`` judged against its case's native floor (`judge_against_native_floor`)."""
+    numeric = all(_numeric(p) for p in row.problems)
+    if row.passed or (numeric and _differing(row) <= _differing(floor)):
+        return replace(
+            row, problems=[], passed=True,
+            explanations=row.explanations + [f"within native's floor ({floor.verdict}): {p}" for p in row.problems],
+            verdict=f"within native's floor ({_differing(row)} of {row.requests} requests differ)")  # fmt: skip
+    return replace(row, problems=row.problems + [Problem(
+        ProblemKind.CHECK, f"beyond native's floor: {_differing(row)} requests differ, native's own baseline "
+                           f"{_differing(floor)}")])  # fmt: skip
 
 
 def compare_results(
