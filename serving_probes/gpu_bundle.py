@@ -858,14 +858,19 @@ def pip_install_wheels(wheels: Sequence[Path], site: Path) -> None:
                                         "--target", str(site), *map(str, wheels)], cwd=site.parent, env=_pip_env())
 
 
+#: The harness's own distribution in a checkout (pure Python; registers the engine agent's vLLM plugin).
+HARNESS_DIR = "harness"
+
+
 def pip_build_kvcached(repo: Path, dest: Path) -> None:
-    """Build and install kvcached from ``repo`` into ``dest`` with the host's build tools, offline.
+    """Build and install kvcached and the harness's distribution from ``repo`` into ``dest`` with the host's
+    build tools, offline. The harness comes too because engines find its agent only through its entry point.
 
     Runs from outside the source tree (``dest``'s parent), so nothing there shadows the built package.
     """
     _run_step("building kvcached", [sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps",
-                                    "--no-index", "--target", str(dest), str(repo)], cwd=dest.parent,
-              env=_pip_env())
+                                    "--no-index", "--target", str(dest), str(repo), str(repo / HARNESS_DIR)],
+              cwd=dest.parent, env=_pip_env())
 
 
 @dataclass(frozen=True)
@@ -903,8 +908,9 @@ def install(bundle: Path, target: Path, *, repo: Path | None = None, groups: Seq
     manifest, selected = verify(bundle, groups)  # nothing is written before this passes
     log(f"verified {sum(len(g.parts) for g in selected)} part(s) of {', '.join(g.name for g in selected)}")
     repo = (repo or default_repo()).absolute()
-    if not skip_kvcached and not (repo / "pyproject.toml").is_file():
-        raise BundleError(f"{repo}: not a kvcached checkout (no pyproject.toml); pass --repo or --skip-kvcached")
+    for project in ("pyproject.toml", f"{HARNESS_DIR}/pyproject.toml"):
+        if not skip_kvcached and not (repo / project).is_file():
+            raise BundleError(f"{repo}: not a kvcached checkout (no {project}); pass --repo or --skip-kvcached")
     target = target.absolute()
     if target.exists() and not target.is_dir():
         raise BundleError(f"{target}: exists and is not a directory")

@@ -79,6 +79,8 @@ def _repo(tmp_path: Path) -> Path:
     repo = tmp_path / "repo"
     repo.mkdir(exist_ok=True)
     (repo / "pyproject.toml").write_text("[project]\nname = 'kvcached'\n")
+    (repo / gb.HARNESS_DIR).mkdir(exist_ok=True)
+    (repo / gb.HARNESS_DIR / "pyproject.toml").write_text("[project]\nname = 'kvcached-harness'\n")
     return repo
 
 
