@@ -1,5 +1,5 @@
 """The benchmarks' verdict rule: a re-export of the project's one rule,
-`serving_probes.verdicts.verdict` (see there), which the GPU probes use too.
+`conformance.reporting.verdicts.verdict` (see there), which the GPU probes use too.
 
 Imported by the ``bench_*.py`` scripts, which run with this folder on ``sys.path`` and the
 project installed (``serving_probes`` ships in its wheel).
@@ -7,6 +7,6 @@ project installed (``serving_probes`` ships in its wheel).
 
 from __future__ import annotations
 
-from serving_probes.verdicts import RULE, verdict
+from conformance.reporting import RULE, verdict
 
 __all__ = ["RULE", "verdict"]

@@ -19,7 +19,7 @@ Two parts, one process, one device:
    ratio kvcached/torch is taken within a round. Reported: medians over the rounds with
    their min-max, against the device's datasheet peak. Verdict on the per-round ratios
    against ``TARGET_RATIO`` (a lower bound: higher is better) by the project's one rule,
-   `serving_probes.verdicts.verdict`, which the benchmarks use too: *inconclusive* when the
+   `conformance.reporting.verdict`, which the benchmarks use too: *inconclusive* when the
    rounds fall on both sides of the target, else *met* or *missed* by the median.
 
    Checked: the two copies hold identical bytes; the gather-reduce results are bitwise
@@ -63,12 +63,12 @@ from typing import Any
 
 import torch
 
+from conformance.reporting import verdict
 from kvcached import _vmm
 from kvcached.config import KvcachedConfig
 from kvcached.errors import KvcachedError
 from kvcached.memory import tensor_view
 from kvcached.pages import PagePool, PageSpace
-from serving_probes.verdicts import verdict
 
 PAGE = 2 << 20
 BLOCK_SHAPE = (16, 8, 128)  # tokens, kv heads, head dim: one K block of a 8-KV-head model
@@ -521,7 +521,7 @@ def decode_rows(rows: Sequence[DecodeRow]) -> list[dict[str, object]]:
 
 
 VERDICT_RULE = ("Ratio: median (min-max) of the per-round kvcached/torch ratios. Verdict (the project's one "
-                "rule, `serving_probes/verdicts.py`): inconclusive when the per-round ratios fall on both "
+                "rule, `conformance/reporting/verdicts.py`): inconclusive when the per-round ratios fall on both "
                 "sides of the target, else met or missed by the median ratio.")
 
 

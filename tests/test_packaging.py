@@ -62,7 +62,7 @@ def test_the_harness_is_its_own_distribution_with_the_agent_plugin(tmp_path: Pat
     wheel = _wheel(HARNESS, tmp_path / "wheel")
     names = wheel.namelist()
     assert {n.split("/")[0] for n in names} == {"conformance", "serving_probes", "kvcached_harness-0.1.0.dist-info"}
-    assert "conformance/orchestrate/report/templates/report.html.j2" in names  # package data ships too
+    assert "conformance/reporting/templates/report.html.j2" in names  # package data ships too
     assert _entry_points(wheel) == {"vllm.general_plugins": dict([AGENT])}
 
 

@@ -136,7 +136,7 @@ def test_bandwidth_probe_cpu_path_checks_pass() -> None:
 def test_verdict_rule_is_one_implementation_for_benchmarks_and_probes() -> None:
     import importlib.util
 
-    from serving_probes.verdicts import verdict
+    from conformance.reporting import verdict
 
     # An upper bound (the default): kvcached/native cost ratios.
     assert verdict([1.0, 1.05, 1.08], 1.10) == "met"

@@ -1,5 +1,6 @@
-"""Conformance reports: one model (``model.py``), built from parity rows (``build.py``),
-rendered to Markdown, HTML and CSV from the same data (``render.py``, ``templates/``).
+"""Conformance reports: the shared report model (``conformance.reporting``) with the run's
+counts (``model.py``), built from parity rows (``build.py``), rendered to Markdown, HTML and
+CSV from the same data by ``conformance.reporting``.
 
 Layout of ``reports/conformance/<run-id>/`` (copied to ``reports/conformance/latest/``):
 
@@ -11,17 +12,19 @@ Layout of ``reports/conformance/<run-id>/`` (copied to ``reports/conformance/lat
   (Case | Complete requests | Output tokens | Match to native token IDs | Injected allocation failures).
 * ``cases.csv``: every ParityRow field; ``requests.csv``: one row per request per comparison.
 * ``memory.png``: physical KV memory per scheduler step, reference vs candidate.
-* ``environment.json``: the environment block as data.
+* ``environment.json``: the environment block as data (``conformance.reporting.environment``).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Sequence
+import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from conformance.notes import WARMUP_WARNING_EXPLANATION
 from conformance.orchestrate.parity import ParityRow, RequestParity
 from conformance.orchestrate.report.build import (
     SUMMARY,
@@ -31,14 +34,31 @@ from conformance.orchestrate.report.build import (
     request_frame,
     summary_table,
 )
-from conformance.orchestrate.report.environment import environment, python_command
-from conformance.orchestrate.report.model import Bullets, Image, Paragraph, Preformatted, Report, Section, Table
+from conformance.orchestrate.report.model import MatrixReport
 from conformance.orchestrate.report.plot import memory_plot
-from conformance.orchestrate.report.render import csv_frames, markdown_block, render_html, render_markdown, write_csv
+from conformance.reporting import (
+    Block,
+    Bullets,
+    Image,
+    Paragraph,
+    Preformatted,
+    Report,
+    Section,
+    Table,
+    csv_frames,
+    markdown_block,
+    provenance,
+    render_html,
+    render_markdown,
+    version,
+    write_csv,
+)
 
 __all__ = [
+    "Block",
     "Bullets",
     "Image",
+    "MatrixReport",
     "Paragraph",
     "Preformatted",
     "Report",
@@ -64,12 +84,25 @@ LATEST = ("report.md", "report.html", "report.csv", "sections", "summary.md", "c
           "memory.png", "environment.json")  # fmt: skip
 
 
-def write_files(report: Report, run_dir: Path, memory: dict[str, list[tuple[str, list[int]]]]) -> Path:
+def environment(command: Sequence[str], settings: Mapping[str, Any], plugin_status: str) -> dict[str, str]:
+    """The run's environment block as data (``environment.json``, the Environment section):
+    ``conformance.reporting.environment`` with the run's settings and the kvcached plugin's status."""
+    extra = {"transformers": version("transformers"), "kvcached_plugin": plugin_status, **settings,
+             "note": WARMUP_WARNING_EXPLANATION}
+    return provenance(command, extra).as_dict()
+
+
+def python_command() -> list[str]:
+    """How this run was started, as the report shows it (``python -m conformance ...``)."""
+    return [Path(sys.executable).name, "-m", "conformance", *sys.argv[1:]]
+
+
+def write_files(report: MatrixReport, run_dir: Path, memory: dict[str, list[tuple[str, list[int]]]]) -> Path:
     """Every format of ``report`` into ``run_dir``; returns the path of ``report.md``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     write_csv(report, run_dir)
     (run_dir / "summary.md").write_text(markdown_block(report.section(SUMMARY).blocks[0]) + "\n")
-    (run_dir / "environment.json").write_text(json.dumps(dict(report.environment), indent=1) + "\n")
+    (run_dir / "environment.json").write_text(json.dumps(report.environment.as_dict(), indent=1) + "\n")
     name = report.candidate_name
     labels = {"reference": "native reference (whole KV tensor)", "candidate": f"{name} (mapped bytes)"}
     memory_plot(run_dir / "memory.png", memory, f"Physical KV memory: native reference vs {name}", labels)

@@ -9,11 +9,11 @@ from typing import Any
 import pandas as pd  # type: ignore[import-untyped]  # no pandas-stubs in the environment
 
 from conformance.orchestrate.parity import ParityRow, RequestParity
-from conformance.orchestrate.report.model import Bullets, Image, Paragraph, Preformatted, Report, Section, Table
+from conformance.orchestrate.report.model import SUBJECT, MatrixReport, headline
+from conformance.reporting import Bullets, Image, Paragraph, Provenance, Section, Table
 
 MiB = float(1 << 20)
 
-ENVIRONMENT = "Environment"
 SUMMARY = "Summary (validation-table shape)"
 PARITY = "Parity table"
 PROBLEMS = "Problems"
@@ -155,10 +155,6 @@ def summary_table(rows: Sequence[ParityRow], candidate_name: str, cases_by_id: M
     return pd.DataFrame(recs)
 
 
-def environment_section(env: Mapping[str, Any]) -> Section:
-    return Section(ENVIRONMENT, (Preformatted("\n".join(f"{k:<22} {v}" for k, v in env.items())),))
-
-
 def problem_sections(rows: Sequence[ParityRow], process_issues: Sequence[str]) -> tuple[Section, ...]:
     """Problems (failing comparisons), explanations (passing with a note), process issues."""
     problems = tuple(f"`{r.case_id}` ({r.comparison}): {'; '.join(r.problems)}"
@@ -185,27 +181,27 @@ def build_report(
     cases_by_id: Mapping[str, Any],
     process_issues: Sequence[str],
     wall_s: float,
-) -> Report:
+) -> MatrixReport:
     """The whole report as data; every renderer reads only this."""
-    sections = (
-        environment_section(env),
+    body = (
         Section(SUMMARY, (Table(summary_table(rows, candidate_name, cases_by_id)),)),
         Section(PARITY, (Table(display_table(rows)),)),
         *problem_sections(rows, process_issues),
         memory_section(),
     )
     passed, native_errors = sum(r.passed for r in rows), sum(r.native_error for r in rows)
-    return Report(
-        passed_all=passed + native_errors == len(rows) and not process_issues,
-        comparisons=len(rows),
-        passed=passed,
-        failed=len(rows) - passed - native_errors,
-        native_errors=native_errors,
-        process_issues=len(process_issues),
+    failed = len(rows) - passed - native_errors
+    counts = {"comparisons": len(rows), "passed": passed, "failed": failed, "native_errors": native_errors,
+              "process_issues": len(process_issues)}
+    return MatrixReport(
+        subject=SUBJECT,
+        verdict="PASS" if passed + native_errors == len(rows) and not process_issues else "FAIL",
+        headline=headline(len(rows), passed, failed, native_errors, candidate_name, wall_s),
+        environment=Provenance.from_dict(env),
+        body=body,
+        overview={**counts, "candidate": candidate_name, "wall_s": f"{wall_s:.1f}"},
+        data={"cases.csv": parity_frame(rows), "requests.csv": request_frame(per_case)},
+        **counts,
         wall_s=wall_s,
         candidate_name=candidate_name,
-        environment=dict(env),
-        sections=sections,
-        cases=parity_frame(rows),
-        requests=request_frame(per_case),
     )

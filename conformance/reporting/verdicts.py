@@ -5,10 +5,9 @@ measured in alternating rounds:
 * "inconclusive" when the per-round ratios fall on both sides of it;
 * "missed" otherwise.
 
-Used by the GPU probes (`serving_probes.bandwidth`) and, through the re-export in
-``benchmarks/verdicts.py``, by the ``benchmarks/bench_*.py`` scripts. It lives in this
-package because the package ships in the wheel and imports nothing beyond the standard
-library, so both the CPU benchmark environment and a GPU machine without vLLM can import it.
+Used by the GPU probes (`serving_probes.bandwidth`) and the ``benchmarks/bench_*.py``
+scripts, through ``conformance.reporting``. It imports nothing beyond the standard library
+and never vLLM, so both the CPU benchmark environment and a GPU machine can import it.
 """
 
 from __future__ import annotations
