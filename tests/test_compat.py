@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from conformance.orchestrate import compat
-from conformance.orchestrate.compat import CompatRow, SuiteRun, VersionResult
+from conformance import compat
+from conformance.compat import CompatRow, SuiteRun, VersionResult
 
 REFUSAL = ("candidate error: IntegrationError: vLLM 0.33.0 is not supported; kvcached supports vLLM 0.26 to 0.32")
 

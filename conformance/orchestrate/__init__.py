@@ -1,2 +1,2 @@
-"""What runs in the parent process: start engine processes, compare their results,
-write reports. Nothing here imports vLLM."""
+"""The conformance matrix's parent process: start engine processes, compare their results,
+write the report. Nothing here imports vLLM."""

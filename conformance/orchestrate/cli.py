@@ -20,8 +20,8 @@ from conformance import cases as C
 from conformance.device import Device, detect, profile
 from conformance.orchestrate.compare import compare_results, judge_against_native_floor
 from conformance.orchestrate.parity import ParityRow, RequestParity
-from conformance.orchestrate.progress import RunProgress
 from conformance.orchestrate.runner import ChildOutcome, RunConfig, Runner, base_case, planned_runs
+from conformance.progress import RunProgress
 from conformance.results import CaseResult
 
 EPILOG = """

@@ -2,7 +2,7 @@
 
 Three real OpenAI servers (each a multiprocess engine: front end, EngineCore and worker are
 separate processes), one at a time on 2 cores: kvcached, native, and a second native one as
-the noise floor of the concurrent phase. See ``conformance.orchestrate.serve``.
+the noise floor of the concurrent phase. See ``conformance.serving.server``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 from conformance.cases import ARCHETYPES
 from conformance.models import ensure_model
-from conformance.orchestrate.serve import (
+from conformance.serving.server import (
     ACTIVE_LINE,
     ServerError,
     ServerSpec,

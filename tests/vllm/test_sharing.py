@@ -1,6 +1,6 @@
 """Several engines, one budget, as users run it: two `vllm serve` engines (tiny llama and tiny
 qwen3, each a multiprocess engine) share one budget record over HTTP, against two native
-servers splitting the same memory. The scenario is `conformance.orchestrate.sharing`
+servers splitting the same memory. The scenario is `conformance.sharing.run`
 (quick plan: 3 burst/idle cycles); every check of its report must hold, the planted token
 difference included (retried on the real native servers, never given by native).
 """
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from conformance.orchestrate.retrial import PLANTED_MARGIN, Difference
-from conformance.orchestrate.sharing import MiB, SharingPlan, SharingResult, run
-from conformance.orchestrate.sharing_report import checks
+from conformance.serving.retrial import PLANTED_MARGIN, Difference
+from conformance.sharing.report import checks
+from conformance.sharing.run import MiB, SharingPlan, SharingResult, run
 
 pytestmark = [pytest.mark.multiprocess]  # every wait in the scenario is bounded (starts, requests, idles)
 
@@ -70,7 +70,7 @@ def test_each_check_sees_a_real_failure(shared: SharingResult) -> None:
 
 
 def test_reports_are_written(shared: SharingResult, tmp_path: Path) -> None:
-    from conformance.orchestrate.sharing_report import markdown, plot
+    from conformance.sharing.report import markdown, plot
 
     plot(shared, tmp_path / "timeline.png")
     text = markdown(shared, checks(shared), "pytest")

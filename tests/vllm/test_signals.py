@@ -28,7 +28,7 @@ import pytest
 
 from conformance.cases import ARCHETYPES
 from conformance.models import ensure_model
-from conformance.orchestrate.serve import ACTIVE_LINE, Server, ServerError, ServerSpec, start_server, with_tokenizer
+from conformance.serving.server import ACTIVE_LINE, Server, ServerError, ServerSpec, start_server, with_tokenizer
 from kvcached.budget import BudgetRecord
 
 pytestmark = [pytest.mark.multiprocess]  # every wait below is bounded

@@ -1,5 +1,5 @@
 """The churn soak's CI variant: two minutes of random traffic through `vllm serve` with
-kvcached (`conformance.orchestrate.soak`; `nox -s soak` runs ten). Every check must hold; the
+kvcached (`conformance.soak.run`; `nox -s soak` runs ten). Every check must hold; the
 negative controls show each comparison can fail."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conformance.orchestrate.retrial import PLANTED_MARGIN
-from conformance.orchestrate.soak import (
+from conformance.serving.retrial import PLANTED_MARGIN
+from conformance.soak.run import (
     Difference,
     Request,
     Sample,
@@ -72,7 +72,7 @@ def test_differences_are_found_at_their_first_token_and_the_planted_one_is_real(
 
 
 def test_the_native_control_has_only_the_checks_that_can_fail_on_native(tmp_path: Path) -> None:
-    from conformance.orchestrate.soak_report import render
+    from conformance.soak.report import render
 
     with pytest.raises(ValueError, match="candidate='kvached'"):
         SoakPlan(candidate="kvached")
@@ -102,8 +102,8 @@ def test_the_native_control_has_only_the_checks_that_can_fail_on_native(tmp_path
 def test_a_saved_soak_is_redrawn(tmp_path: Path, candidate: str) -> None:
     import json
 
-    from conformance.orchestrate.soak import to_json
-    from conformance.orchestrate.soak_report import load_for_plot, plot
+    from conformance.soak.report import load_for_plot, plot
+    from conformance.soak.run import to_json
 
     base = Sample(t=1.0, rss=1000 << 20, fds=100, memfds=2, mapped=10 << 16)
     result = SoakResult(SoakPlan(candidate=candidate), samples=[base, dataclasses.replace(base, t=2.0)],

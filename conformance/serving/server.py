@@ -37,6 +37,7 @@ from pathlib import Path
 
 from conformance.engine_env import ENGINE_ENV, without_kvcached
 from conformance.models import FIRST_FREE_TOKEN, VOCAB_SIZE
+from conformance.procfs import descriptors
 
 ACTIVE_LINE = "kvcached: elastic KV cache active"
 SERVED_NAME = "tiny"
@@ -234,3 +235,24 @@ def parity_prompts(n: int, seed: int = 0) -> list[list[int]]:
     while len(out) < n:
         out.append(root[: r.randrange(8, 90)] + fresh(r.randrange(1, 40)) if len(out) % 2 else fresh(r.randrange(5, 120)))
     return out[:n]
+
+
+def open_descriptors(server: Server) -> tuple[int, int]:
+    """Open file descriptors, and memfds among them, over the server's process tree."""
+    import psutil  # type: ignore[import-untyped]  # no types-psutil in the environment
+
+    root = psutil.Process(server.proc.pid)
+    return descriptors([root.pid, *(p.pid for p in root.children(recursive=True))])
+
+
+def settled_descriptors(server: Server, timeout_s: float = 10.0) -> tuple[int, int]:
+    """`open_descriptors` once it reads the same three times 0.2 s apart: the client's
+    connections of the burst just served close on the server side a moment later."""
+    readings = [open_descriptors(server)]
+    deadline = time.monotonic() + timeout_s
+    while len(readings) < 3 or len(set(readings[-3:])) > 1:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+        readings.append(open_descriptors(server))
+    return readings[-1]

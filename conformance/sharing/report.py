@@ -1,8 +1,8 @@
 """The sharing run's report: checks, figures and one picture (``reports/sharing/``).
 
-    python -m conformance.orchestrate.sharing_report [--quick] [--out reports/sharing]
+    python -m conformance.sharing [--quick] [--out reports/sharing]
 
-runs `conformance.orchestrate.sharing` and writes ``report.md``, ``timeline.png`` and
+runs `conformance.sharing.run` and writes ``report.md``, ``timeline.png`` and
 ``result.json`` into ``--out``. Exit code 0 when every check holds, 1 otherwise.
 """
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pandas as pd  # type: ignore[import-untyped]  # no pandas-stubs in the environment
 
-from conformance.orchestrate.retrial import TIE, Difference
-from conformance.orchestrate.sharing import Burst, MiB, SharingPlan, SharingResult, run
+from conformance.serving.retrial import TIE, Difference
+from conformance.sharing.run import Burst, MiB, SharingPlan, SharingResult, run
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ def markdown(r: SharingResult, found: list[Check], command: str) -> str:
         (f"`{command}` on {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}; python "
          f"{platform.python_version()}, {versions}, {platform.platform()}."),
         "",
-        ("Scenario: `conformance/orchestrate/sharing.py` (A = tiny llama, B = tiny qwen3, each a multiprocess "
+        ("Scenario: `conformance/sharing/run.py` (A = tiny llama, B = tiny qwen3, each a multiprocess "
          "`vllm serve`; one budget record; the usage sampled from it at "
          f"{r.plan['sample_hz']} Hz). Plan: `{r.plan}`."),
         "",
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     result.save(args.out / "result.json")
     plot(result, args.out / "timeline.png")
     found = checks(result)
-    command = "python -m conformance.orchestrate.sharing_report" + (" --quick" if args.quick else "")
+    command = "python -m conformance.sharing" + (" --quick" if args.quick else "")
     (args.out / "report.md").write_text(markdown(result, found, command))
     for c in found:
         print(f"{'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}")

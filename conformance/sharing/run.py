@@ -52,10 +52,16 @@ from pathlib import Path
 
 from conformance.cases import ARCHETYPES
 from conformance.models import FIRST_FREE_TOKEN, VOCAB_SIZE, ensure_model
-from conformance.orchestrate import retrial
-from conformance.orchestrate.retrial import Difference
-from conformance.orchestrate.serve import Server, ServerError, ServerSpec, start_server, with_tokenizer
-from conformance.procfs import descriptors
+from conformance.serving import retrial
+from conformance.serving.retrial import Difference
+from conformance.serving.server import (
+    Server,
+    ServerError,
+    ServerSpec,
+    settled_descriptors,
+    start_server,
+    with_tokenizer,
+)
 
 MiB = 1 << 20
 ENGINES = (("A", "llama"), ("B", "qwen3"))  # engine label -> archetype (two different models)
@@ -197,27 +203,6 @@ class Sampler(threading.Thread):
     def peak(self, label: str, since_s: float) -> int:
         col = 1 if label == "A" else 2
         return int(max((r[col] for r in self.rows if r[0] >= since_s), default=0))
-
-
-def open_descriptors(server: Server) -> tuple[int, int]:
-    """Open file descriptors, and memfds among them, over the server's process tree."""
-    import psutil  # type: ignore[import-untyped]  # no types-psutil in the environment
-
-    root = psutil.Process(server.proc.pid)
-    return descriptors([root.pid, *(p.pid for p in root.children(recursive=True))])
-
-
-def settled_descriptors(server: Server, timeout_s: float = 10.0) -> tuple[int, int]:
-    """`open_descriptors` once it reads the same three times 0.2 s apart: the client's
-    connections of the burst just served close on the server side a moment later."""
-    readings = [open_descriptors(server)]
-    deadline = time.monotonic() + timeout_s
-    while len(readings) < 3 or len(set(readings[-3:])) > 1:
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-        readings.append(open_descriptors(server))
-    return readings[-1]
 
 
 def kvctl(record: Path, *args: str) -> str:

@@ -1,4 +1,4 @@
-"""Run the churn soak and write its report: ``python -m conformance.orchestrate.soak_report``.
+"""Run the churn soak and write its report: ``python -m conformance.soak``.
 
 Writes ``result.json``, ``report.md`` and ``soak.png`` (RSS, mapped KV bytes and descriptors
 over time) to ``--out`` (default ``reports/soak``). Exit status 1 when a check fails.
@@ -16,8 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from conformance.orchestrate.retrial import TIE
-from conformance.orchestrate.soak import CANDIDATES, Difference, Sample, SoakPlan, SoakResult, run, to_json
+from conformance.serving.retrial import TIE
+from conformance.soak.run import CANDIDATES, Difference, Sample, SoakPlan, SoakResult, run, to_json
 
 MiB = 1 << 20
 KVCACHED_OUT = Path("reports/soak")
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvcached-soak-") as work:
         result = run(plan, Path(work))
     args.out.mkdir(parents=True, exist_ok=True)
-    command = "python -m conformance.orchestrate.soak_report " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m conformance.soak " + " ".join(argv if argv is not None else sys.argv[1:])
     (args.out / "result.json").write_text(json.dumps(to_json(result)) + "\n")
     (args.out / "report.md").write_text(render(result, command.strip()))
     plot(result, args.out / "soak.png")
