@@ -9,7 +9,7 @@ Markdown, HTML and CSV that say the same.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -63,7 +63,7 @@ def test_one_report_in_three_formats(tmp_path: Path) -> None:
     md = rp.write_report(report, tmp_path, "bench")
     text = md.read_text()
     assert text.startswith("# A bench: PASS\n\n**2** rounds.\n\n## Environment\n")
-    assert "| b <2>  |     0.5 |" in text and "_(none)_" in text
+    assert "| b <2>  | 0.5     |" in text and "_(none)_" in text
     page = (tmp_path / "bench.html").read_text()
     assert '<header class="pass">' in page and "b &lt;2&gt;" in page and "<code>x</code>" in page
     index = pd.read_csv(tmp_path / "bench.csv", dtype=str, keep_default_na=False)
@@ -87,3 +87,24 @@ def test_the_verdict_rule() -> None:
     assert rp.verdict([1.0, 1.2], 1.10) == "inconclusive"
     assert rp.verdict([1.2, 1.3], 1.10) == "missed"
     assert rp.verdict([0.9, 0.8], 0.95, higher_is_better=True) == "missed"
+
+
+
+@dataclass(frozen=True)
+class Titled:
+    first_value: int
+    other: str = field(default="x", metadata=rp.column("a / b"))
+
+
+def test_row_columns_and_checks() -> None:
+    assert list(rp.table([Titled(1)]).frame.columns) == ["first value", "a / b"]
+    assert rp.table([], columns=rp.columns_of(Titled)).frame.empty
+    frame = rp.checks_table({"held": True, "broke": False}).frame
+    assert frame.values.tolist() == [["held", "yes"], ["broke", "NO"]]
+
+
+def test_notes_are_paragraphs(tmp_path: Path) -> None:
+    assert rp.notes_section(tmp_path / "notes.md") is None
+    (tmp_path / "notes.md").write_text("**One.** a\nb\n\n\nTwo.\n")
+    section = rp.notes_section(tmp_path / "notes.md")
+    assert section is not None and [b.text for b in section.blocks] == ["**One.** a b", "Two."]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pandas as pd  # type: ignore[import-untyped]  # no pandas-stubs in the environment
@@ -25,6 +26,7 @@ import pandas as pd  # type: ignore[import-untyped]  # no pandas-stubs in the en
 from conformance.reporting.environment import Provenance
 
 ENVIRONMENT = "Environment"
+NOTES = "Notes"
 #: Verdicts that colour a report's header: green for these, red for ``FAILED``, grey otherwise.
 PASSED = ("PASS",)
 FAILED = ("FAIL",)
@@ -91,11 +93,42 @@ class Section:
         return tuple(b.kind for b in self.blocks)
 
 
+def column(name: str) -> dict[str, str]:
+    """A dataclass field's column title, where its name cannot say it: ``field(metadata=column("a / b"))``."""
+    return {"column": name}
+
+
+def columns_of(row_type: type) -> list[str]:
+    """The column titles of a row dataclass: each field's ``column`` metadata, else its name in words."""
+    return [f.metadata.get("column", f.name.replace("_", " ")) for f in fields(row_type)]
+
+
 def table(rows: Iterable[Any], columns: Sequence[str] | None = None, empty: str = "(none)") -> Table:
-    """A ``Table`` from typed rows: dataclass instances (their fields, in order, are the columns)
-    or mappings; ``columns`` names the columns when there may be no row."""
-    records = [{f.name: getattr(r, f.name) for f in fields(r)} if is_dataclass(r) else dict(r) for r in rows]
+    """A ``Table`` from typed rows: dataclass instances (their fields, in order, are the columns,
+    titled by ``columns_of``) or mappings; ``columns`` names the columns when there may be no row."""
+    records = []
+    for r in rows:
+        if is_dataclass(r) and not isinstance(r, type):
+            records.append(dict(zip(columns_of(type(r)), (getattr(r, f.name) for f in fields(r)), strict=True)))
+        else:
+            records.append(dict(r))
     return Table(pd.DataFrame(records, columns=list(columns) if columns is not None else None), empty)
+
+
+def checks_table(checks: Mapping[str, bool]) -> Table:
+    """What a run requires, and whether it held (``yes`` / ``NO``)."""
+    return table(({"check": name, "holds": "yes" if ok else "NO"} for name, ok in checks.items()),
+                 columns=["check", "holds"])
+
+
+def notes_section(path: Path, title: str = NOTES) -> Section | None:
+    """Notes written by hand beside a report (``notes.md``: paragraphs separated by blank
+    lines): what a program cannot say about its own run (how a result was read, earlier runs).
+    They stay when the report is rendered again; None without the file."""
+    if not path.is_file():
+        return None
+    paragraphs = [" ".join(p.split()) for p in path.read_text().split("\n\n") if p.strip()]
+    return Section(title, tuple(Paragraph(p) for p in paragraphs))
 
 
 def environment_section(environment: Provenance) -> Section:

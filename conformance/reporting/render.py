@@ -39,7 +39,8 @@ def markdown_block(block: Block) -> str:
 
 def _markdown_table(frame: pd.DataFrame) -> str:
     try:
-        return str(frame.to_markdown(index=False))
+        # Cells as the program wrote them: tabulate would re-read "2,261.1" as a number and drop ".0".
+        return str(frame.to_markdown(index=False, disable_numparse=True))
     except ImportError:  # pandas draws Markdown tables with tabulate, which a GPU host may lack
         return "```\n" + frame.to_string(index=False) + "\n```"
 

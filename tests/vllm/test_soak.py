@@ -71,6 +71,16 @@ def test_differences_are_found_at_their_first_token_and_the_planted_one_is_real(
     assert planted.soaked_token != 6 and 3 <= planted.soaked_token < 1024 and planted.margin >= PLANTED_MARGIN
 
 
+def _saved(result: SoakResult, path: Path) -> Path:
+    import json
+
+    from conformance.soak.run import to_json
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "result.json").write_text(json.dumps({**to_json(result), "environment": {"command": "cmd"}}))
+    return path
+
+
 def test_the_native_control_has_only_the_checks_that_can_fail_on_native(tmp_path: Path) -> None:
     from conformance.soak.report import render
 
@@ -78,39 +88,44 @@ def test_the_native_control_has_only_the_checks_that_can_fail_on_native(tmp_path
         SoakPlan(candidate="kvached")
     base = Sample(t=1.0, rss=1000 << 20, fds=100, memfds=0, mapped=0)
     caught = Difference(0, 0, 3, 10, 11, 0.5, retrials=8, reproduced=0)
-    result = SoakResult(SoakPlan(candidate="native"), baseline=base, end=base, aborted=1, preemptions=1,
-                        planted=caught)
+    result = SoakResult(SoakPlan(candidate="native"), samples=[base], baseline=base, end=base, aborted=1,
+                        preemptions=1, planted=caught)
     assert all(result.checks().values())
     assert not any("mapped" in name or "memfds" in name for name in result.checks())
     result.end = dataclasses.replace(base, fds=101)
     assert [name for name, ok in result.checks().items() if not ok] == ["descriptors back to the baseline"]
     # The control's report sets its rate beside the kvcached soak's result.
-    kvcached = tmp_path / "result.json"
-    kvcached.write_text('{"completed": 100, "mismatches": [3], "unexplained": [], '
-                        '"plan": {"duration_s": 600, "clients": 8, "seed": 0}}')
+    kvcached = SoakResult(SoakPlan(), samples=[base], baseline=base, end=base, aborted=1, preemptions=1,
+                          planted=caught, differences=[Difference(3, 30, 1, 5, 6, 0.2, 8, 0)])
+    kvcached.completed = [(None, [1])] * 100  # type: ignore[list-item]
     result.completed = [(None, [1])] * 50  # type: ignore[list-item]
     result.differences = [Difference(7, 70, 1, 5, 6, 1e-4, 8, 2), Difference(9, 90, 3, 5, 6, 2e-4, 8, 0)]
-    text = render(result, "cmd", kvcached)
+    other = _saved(kvcached, tmp_path / "kvcached") / "result.json"
+    text = render(_saved(result, tmp_path / "control"), other).read_text()
     assert "| kvcached (" in text and "1 of 100 (1.000%)" in text and "2 of 50 (4.000%)" in text
     assert "native control: FAIL" in text and "kvcached mapped" not in text
-    assert "| difference | 70 | 1 | 5 / 6 | 0.0001 | yes | 2 of 8 | yes |" in text
-    assert "| difference | 90 | 3 | 5 / 6 | 0.0002 | yes | 0 of 8 | NO |" in text
-    assert "| planted (control) | 0 | 3 | 10 / 11 | 0.5 | no | 0 of 8 | NO |" in text
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in text.splitlines()
+            if ln.startswith(("| difference", "| planted"))]
+    assert rows == [["difference", "70", "1", "5 / 6", "0.0001", "yes", "2 of 8", "yes"],
+                    ["difference", "90", "3", "5 / 6", "0.0002", "yes", "0 of 8", "NO"],
+                    ["planted (control)", "0", "3", "10 / 11", "0.5", "no", "0 of 8", "NO"]]
+    assert "| command" in text and (tmp_path / "control" / "report.html").is_file()
 
 
 @pytest.mark.parametrize("candidate", ["kvcached", "native"])
-def test_a_saved_soak_is_redrawn(tmp_path: Path, candidate: str) -> None:
+def test_a_saved_soak_is_drawn_and_rendered_again(tmp_path: Path, candidate: str) -> None:
     import json
 
-    from conformance.soak.report import load_for_plot, plot
-    from conformance.soak.run import to_json
+    from conformance.soak.report import SoakRecord, render
 
     base = Sample(t=1.0, rss=1000 << 20, fds=100, memfds=2, mapped=10 << 16)
     result = SoakResult(SoakPlan(candidate=candidate), samples=[base, dataclasses.replace(base, t=2.0)],
                         baseline=base, end=base, warmup_end_s=1.0, traffic_end_s=2.0, sent=3, aborted=1,
                         preemptions=1)
-    (tmp_path / "result.json").write_text(json.dumps(to_json(result)))
-    loaded = load_for_plot(tmp_path / "result.json")
+    loaded = SoakRecord.from_json(json.loads((_saved(result, tmp_path) / "result.json").read_text()))
     assert (loaded.plan, loaded.samples, loaded.sent) == (result.plan, result.samples, 3)
-    plot(loaded, tmp_path / "soak.png")
+    (tmp_path / "notes.md").write_text("**Why.** Because\nof this.\n\nAnd that.\n")
+    first = render(tmp_path, tmp_path / "none.json").read_text()
     assert (tmp_path / "soak.png").stat().st_size > 10_000
+    assert "## Notes\n\n**Why.** Because of this.\n\nAnd that.\n" in first
+    assert render(tmp_path, tmp_path / "none.json").read_text() == first
