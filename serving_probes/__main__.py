@@ -13,11 +13,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 PROBES = ("copy", "cost", "bandwidth", "sanitizer", "serving", "sharing", "isolation")
@@ -50,33 +47,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _environment() -> dict[str, str]:
+    """The report's environment block (`conformance.reporting.provenance`), with the CUDA
+    runtime torch was built for and the sanitizer's version."""
     import torch
 
-    import kvcached
-
-    env = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": " ".join([Path(sys.executable).name, "-m", "serving_probes", *sys.argv[1:]]),
-        "kvcached": kvcached.__version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "host": platform.node(),
-    }
-    if torch.cuda.is_available():
-        env["device"] = torch.cuda.get_device_name(0)
-        smi = shutil.which("nvidia-smi")
-        if smi:
-            out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, check=False).stdout.strip()
-            env["driver"] = out.splitlines()[0] if out else "unknown"
-        env["cuda (torch)"] = str(torch.version.cuda)
+    from conformance.reporting import provenance
     from serving_probes.sanitizer import find_tool
 
+    extra = {"cuda (torch)": str(torch.version.cuda)}
     tool = find_tool()
     if tool:
         out = subprocess.run([tool, "--version"], capture_output=True, text=True, check=False).stdout
-        env["compute-sanitizer"] = next((ln.strip() for ln in out.splitlines() if ln.startswith("Version")), "unknown")
-    return env
+        extra["compute-sanitizer"] = next((ln.strip() for ln in out.splitlines() if ln.startswith("Version")),
+                                          "unknown")
+    return provenance([Path(sys.executable).name, "-m", "serving_probes", *sys.argv[1:]], extra).as_dict()
 
 
 def _checked_probe(name: str, args: argparse.Namespace, results: dict[str, object]) -> bool:
@@ -90,7 +74,9 @@ def _checked_probe(name: str, args: argparse.Namespace, results: dict[str, objec
     results[name] = dataclasses.asdict(probe)
     print(f"{name}: {'PASS' if ok else 'FAIL'} {probe.checks}", flush=True)
     if not args.no_report:
-        env = results.get("environment", {})
+        from conformance.reporting import Provenance
+
+        env = Provenance.from_dict(results.get("environment", {}))  # type: ignore[arg-type]
         print(f"{name} report: {module.write_report(probe, Path(args.out) / name, env)}", flush=True)
     return ok
 

@@ -50,10 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -63,7 +60,17 @@ from typing import Any
 
 import torch
 
-from conformance.reporting import verdict
+from conformance.reporting import (
+    Bullets,
+    Paragraph,
+    Provenance,
+    Report,
+    Section,
+    provenance,
+    table,
+    verdict,
+    write_report,
+)
 from kvcached import _vmm
 from kvcached.config import KvcachedConfig
 from kvcached.errors import KvcachedError
@@ -461,28 +468,13 @@ def measure_decode(device: str, steps: int = 1000, steps_per_page: int = 16) -> 
 # ---- report -----------------------------------------------------------------------------
 
 def environment(device: str, argv: Sequence[str]) -> dict[str, str]:
-    import kvcached
-
-    env = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-           "command": " ".join([Path(sys.executable).name, "-m", "serving_probes.bandwidth", *argv]),
-           "kvcached": kvcached.__version__, "torch": torch.__version__,
-           "python": platform.python_version(), "host": platform.node(), "device": device}
+    """The report's environment block (`conformance.reporting.provenance`), with the device the
+    probe ran on and the CUDA runtime torch was built for."""
+    extra = {"device": device}
     if _is_cuda(device):
-        env["device name"] = torch.cuda.get_device_name(torch.device(device))
-        env["cuda (torch)"] = str(torch.version.cuda)
-        smi = shutil.which("nvidia-smi")
-        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                             text=True, check=False).stdout.strip() if smi else ""
-        env["driver"] = out.splitlines()[0] if out else "unknown"
-    return env
-
-
-def _table(rows: Sequence[dict[str, object]]) -> list[str]:
-    if not rows:
-        return ["(none)"]
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    return lines + ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
+        extra["device name"] = torch.cuda.get_device_name(torch.device(device))
+        extra["cuda (torch)"] = str(torch.version.cuda)
+    return provenance([Path(sys.executable).name, "-m", "serving_probes.bandwidth", *argv], extra).as_dict()
 
 
 def bandwidth_rows(result: BandwidthResult) -> list[dict[str, object]]:
@@ -525,32 +517,39 @@ VERDICT_RULE = ("Ratio: median (min-max) of the per-round kvcached/torch ratios.
                 "sides of the target, else met or missed by the median ratio.")
 
 
-def render(results: dict[str, Any]) -> str:
-    lines = ["# kvcached VMM memory bandwidth against plain torch memory", "", "| | |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in results["environment"].items()]
+def build(results: dict[str, Any]) -> Report:
+    """The probe's report as data, from its results (``results.json``)."""
+    body = []
     bw = results.get("bandwidth")
     if bw is not None:
-        title = (f"## Kernel bandwidth over {bw['bytes_per_side'] / (1 << 30):g} GiB per side "
+        title = (f"Kernel bandwidth over {bw['bytes_per_side'] / (1 << 30):g} GiB per side "
                  f"({bw['pages']} pages, {bw['num_blocks']} blocks of {BLOCK_BYTES // 1024} KiB, "
                  f"{bw['sequences']} sequences; {bw['rounds']} alternating rounds x {bw['reps']} launches; "
                  f"peak: {bw['peak_gbps'] or 'unknown'} GB/s)")
-        lines += ["", title, "", *_table(results["bandwidth_table"]), "", VERDICT_RULE,
-                  "", "## Checks", "", *_table(results["bandwidth_checks"])]
+        body += [Section(title, (table(results["bandwidth_table"]), Paragraph(VERDICT_RULE))),
+                 Section("Checks", (table(results["bandwidth_checks"]),))]
     if results.get("decode"):
         every = results["decode"][0]["steps_per_page"]
-        lines += ["", f"## Map cost in a decode loop (one page every {every} steps)", "",
-                  *_table(results["decode_table"])]
-    for key in ("teardown", "errors", "passed"):
-        if key in results:
-            lines += ["", f"**{key}**: {results[key]}"]
-    return "\n".join(lines) + "\n"
+        body.append(Section(f"Map cost in a decode loop (one page every {every} steps)",
+                            (table(results["decode_table"]),)))
+    outcome = tuple(f"**{key}**: {results[key]}" for key in ("teardown", "errors", "passed") if key in results)
+    body.append(Section("Outcome", (Bullets(outcome),)))
+    verdicts = [f"{r['kernel']}: {r['verdict']}" for r in results.get("bandwidth_table", [])]
+    return Report(subject="kvcached VMM memory bandwidth against plain torch memory",
+                  verdict="PASS" if results.get("passed") else "FAIL",
+                  headline="; ".join(verdicts) + "." if verdicts else "No bandwidth measured.",
+                  environment=Provenance.from_dict(results["environment"]), body=tuple(body))
 
 
 def write_outputs(results: dict[str, Any], out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    (out / "report.md").write_text(render(results))
-    return out / "report.md"
+    return render_saved(out)
+
+
+def render_saved(out: Path) -> Path:
+    """``report.md`` / ``.html`` / ``.csv`` in ``out`` from its ``results.json``."""
+    return write_report(build(json.loads((out / "results.json").read_text())), out)
 
 
 # ---- entry points -----------------------------------------------------------------------
@@ -589,18 +588,22 @@ def run(device: str, gib: float, rounds: int = 10, reps: int = 5, steps: int = 1
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m serving_probes.bandwidth", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda:0", help='"cpu" runs the smoke test')
     ap.add_argument("--out", type=Path, default=Path("reports/gpu/bandwidth"))
     ap.add_argument("--gib", type=float, default=40.0, help="bytes per side, GiB (default 40)")
     ap.add_argument("--rounds", type=int, default=10, help="timed alternating rounds (default 10)")
     ap.add_argument("--reps", type=int, default=5, help="launches per side per round (default 5)")
     ap.add_argument("--steps", type=int, default=1000, help="decode-loop steps (default 1000)")
+    ap.add_argument("--render", action="store_true", help="render the report in --out again from its results.json")
     args = ap.parse_args(argv)
+    if args.render:
+        print(f"report: {render_saved(args.out)}")
+        return 0
     results = run(args.device, args.gib, args.rounds, args.reps, args.steps, argv)
-    text = render(results)
-    print(text)
-    print(f"report: {write_outputs(results, args.out)}")
+    path = write_outputs(results, args.out)
+    print(path.read_text())
+    print(f"report: {path}")
     return 0 if results["passed"] else 1
 
 

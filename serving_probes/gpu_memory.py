@@ -37,6 +37,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from conformance.reporting import Image, Paragraph, Provenance, Section, Table, provenance, table
+
 #: The engine of every side: the CUDA geometry's tiny llama (4 KiB of KV per token and layer).
 ARCHETYPE = "llama"
 READY_FILE = "kvcached-a.idle"
@@ -337,61 +339,69 @@ def plot(runs: list[EngineRun], path: Path) -> None:
     plt.close(fig)
 
 
-def report(runs: list[EngineRun], workload: Workload, out: Path, environment: dict[str, str]) -> Path:
+def _phase_rows(runs: list[EngineRun]) -> list[dict[str, str]]:
+    rows = []
+    for r in runs:
+        phases = [*r.phases.items(), *([("peak (20 ms samples)", r.peak)] if r.peak else [])]
+        rows += [{"engine": r.side, "phase": name, "device used GiB": _gib(s["device_used"]),
+                  "this process GiB (driver)": _gib(s["process_used"]), "kvcached mapped KV GiB": _gib(s["kv_mapped"])}
+                 for name, s in phases]
+    return rows
+
+
+def _tables(runs: list[EngineRun]) -> tuple[Table, Table, Table]:
+    """Memory per phase, how each engine was sized, kvcached's counters per phase."""
+    sizing = [{"engine": r.side, "start-up s": r.startup_s, "KV blocks": r.num_blocks,
+               "KV range / tensors GiB": _gib(r.kv_tensor_bytes),
+               "graph replays per burst": ", ".join(map(str, r.graph_replays)),
+               "error": r.error[:200].replace(chr(10), " ")} for r in runs]
+    kvc = next(r for r in runs if r.side == "kvcached")
+    counters = [{"kvcached phase": name, "maps": c.get("maps"), "unmaps": c.get("unmaps"),
+                 "mapped bytes": c.get("mapped_bytes"), "live blocks": c.get("live_blocks")}
+                for name, c in kvc.counters.items()]
+    return table(_phase_rows(runs)), table(sizing), table(counters)
+
+
+def report(runs: list[EngineRun], workload: Workload, out: Path, environment: Provenance, save: bool = True) -> Path:
     from serving_probes.probe_report import write_probe_report
 
     out.mkdir(parents=True, exist_ok=True)
     if any(r.samples for r in runs):
         plot(runs, out / "memory.png")
-    rows = ["| engine | phase | device used GiB | this process GiB (driver) | kvcached mapped KV GiB |",
-            "|---|---|---|---|---|"]
-    for r in runs:
-        for name, s in r.phases.items():
-            rows.append(f"| {r.side} | {name} | {_gib(s['device_used'])} | {_gib(s['process_used'])} | "
-                        f"{_gib(s['kv_mapped'])} |")
-        if r.peak:
-            rows.append(f"| {r.side} | peak (20 ms samples) | {_gib(r.peak['device_used'])} | "
-                        f"{_gib(r.peak['process_used'])} | {_gib(r.peak['kv_mapped'])} |")
-    sizing = ["| engine | start-up s | KV blocks | KV range / tensors GiB | graph replays per burst | error |",
-              "|---|---|---|---|---|---|"]
-    sizing += [f"| {r.side} | {r.startup_s} | {r.num_blocks} | {_gib(r.kv_tensor_bytes)} | "
-               f"{', '.join(map(str, r.graph_replays))} | {r.error[:200].replace(chr(10), ' ')} |" for r in runs]
-    counters = ["| kvcached phase | maps | unmaps | mapped bytes | live blocks |", "|---|---|---|---|---|"]
-    kvc = next(r for r in runs if r.side == "kvcached")
-    counters += [f"| {name} | {c.get('maps')} | {c.get('unmaps')} | {c.get('mapped_bytes')} | {c.get('live_blocks')} |"
-                 for name, c in kvc.counters.items()]
-    body = [
-        (f"Workload: {workload.requests} requests of {workload.prompt_tokens} random prompt tokens, "
+    memory, sizing, counters = _tables(runs)
+    workload_text = (
+        f"Workload: {workload.requests} requests of {workload.prompt_tokens} random prompt tokens, "
         f"{workload.max_tokens} greedy output tokens, twice (the prefix cache reset after each burst); "
         f"gpu_memory_utilization={workload.gpu_memory_utilization}, "
-        f"{'compiled with CUDA graphs' if workload.compiled else 'eager'}, model: the harness's CUDA llama."), "",
-        ("How vLLM sizes kvcached's range: vLLM profiles the engine as usual and turns "
+        f"{'compiled with CUDA graphs' if workload.compiled else 'eager'}, model: the harness's CUDA llama.")
+    sizing_text = (
+        "How vLLM sizes kvcached's range: vLLM profiles the engine as usual and turns "
         "`gpu_memory_utilization` x device memory, less what the model, activations and graphs take, into "
         "`num_blocks`; kvcached reserves virtual address space for exactly those blocks and maps 2 MiB pages "
         "only while blocks use them. So the range is as large as native's KV tensors, and the device holds "
-        "only the mapped part."), "",
-        "![device memory](memory.png)", "", *rows, "", *sizing, "", *counters,
-    ]
+        "only the mapped part.")
+    sections = [Section("Workload", (Paragraph(workload_text), Paragraph(sizing_text))),
+                Section("Device memory", (Image("memory.png", "device memory"), memory)),
+                Section("Engines", (sizing,)), Section("kvcached counters", (counters,))]
     return write_probe_report(
         out, "memory", "Device memory as users see it: native vs kvcached CUDA vLLM", environment,
         {"workload": asdict(workload), "runs": [asdict(r) for r in runs]},
         "one engine process per side (in-process EngineCore), a 20 ms sampler thread in each: "
-        "torch.cuda.mem_get_info, NVML per-process used memory, kvcached.stats().", body, checks(runs))
+        "torch.cuda.mem_get_info, NVML per-process used memory, kvcached.stats().", sections, checks(runs), save)
 
 
-def _environment(argv: list[str]) -> dict[str, str]:
+def render_saved(data: dict[str, Any], environment: Provenance, out_dir: Path) -> Path:
+    """The report of a saved run (``memory.json``), rendered again."""
+    runs = [EngineRun(**{**r, "samples": [Sample(**x) for x in r["samples"]]}) for r in data["runs"]]
+    return report(runs, Workload(**data["workload"]), out_dir, environment, save=False)
+
+
+def _environment(argv: list[str]) -> Provenance:
     import torch
-    import vllm
 
     props = torch.cuda.get_device_properties(0)
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, check=False).stdout.strip()
-    except OSError:
-        driver = "?"
-    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(["python -m serving_probes.gpu_memory",
-            *argv]), "device": f"{props.name} ({props.total_memory / GIB:.0f} GiB)", "driver": driver,
-            "torch": torch.__version__, "cuda": str(torch.version.cuda), "vllm": vllm.__version__}
+    return provenance(["python -m serving_probes.gpu_memory", *argv],
+                      {"device memory": f"{props.total_memory / GIB:.0f} GiB", "cuda (torch)": str(torch.version.cuda)})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from conformance.reporting import Bullets, Provenance, Section
 from serving_probes.probe_report import write_probe_report
 
 GiB = 1 << 30
@@ -110,17 +111,22 @@ def run(device: str = "cuda:0", gib: float = 64.0, gib_b: float = 100.0) -> Isol
     return IsolationProbe(device, first, second, checks)
 
 
-def write_report(probe: IsolationProbe, out_dir: Path, environment: dict[str, str]) -> Path:
+def write_report(probe: IsolationProbe, out_dir: Path, environment: Provenance, save: bool = True) -> Path:
     a, b = probe.first, probe.second
-    body = [
-        (f"- process A: {a['bytes'] / GiB:.0f} GiB mapped in {a['map_s']:.2f} s; non-zero bytes: fresh "
+    found = (
+        (f"process A: {a['bytes'] / GiB:.0f} GiB mapped in {a['map_s']:.2f} s; non-zero bytes: fresh "
          f"{a['nonzero_fresh']:.0f}, after filling 0xAB {a['nonzero_after_fill']:.0f} (the control), after "
          f"release and map again {a['nonzero_after_remap']:.0f}"),
-        f"- process B (after A exited): {b['bytes'] / GiB:.0f} GiB mapped, non-zero bytes {b['nonzero_fresh']:.0f}",
-        (f"- zeroing one page on the device would cost {a['zero_one_page_us']:.1f} µs per 2 MiB page "
+        f"process B (after A exited): {b['bytes'] / GiB:.0f} GiB mapped, non-zero bytes {b['nonzero_fresh']:.0f}",
+        (f"zeroing one page on the device would cost {a['zero_one_page_us']:.1f} µs per 2 MiB page "
          "(not paid: the driver zeroes)"),
-    ]
+    )
     return write_probe_report(out_dir, "isolation", "Tenant isolation on the GPU: given-back memory reads as zeros",
                               environment, asdict(probe),
                               "`serving_probes/isolation.py` (its docstring); 2 MiB pages through kvcached ranges.",
-                              body, probe.checks)
+                              [Section("Measured", (Bullets(found),))], probe.checks, save)
+
+
+def render_saved(data: dict[str, object], environment: Provenance, out_dir: Path) -> Path:
+    """The report of a saved run (``isolation.json``), rendered again."""
+    return write_report(IsolationProbe(**data), out_dir, environment, save=False)  # type: ignore[arg-type]

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from conformance.reporting import Bullets, Provenance, Section
 from serving_probes.probe_report import write_probe_report
 
 GiB = 1 << 30
@@ -252,26 +253,32 @@ def _backstop(out: SharingProbe, a: Tenant, b: Tenant) -> None:
         t.answer()
 
 
-def write_report(probe: SharingProbe, out_dir: Path, environment: dict[str, str]) -> Path:
+def write_report(probe: SharingProbe, out_dir: Path, environment: Provenance, save: bool = True) -> Path:
     def g(n: int) -> str:
         return f"{n / GiB:.1f} GiB"
 
-    body = [
-        f"- free at start {g(probe.free_start)}; record limit {g(probe.limit)}",
-        (f"- A's peak {g(probe.a_peak_bytes)} (free then: {g(probe.free_at_a_peak)}); B after the handoff "
+    found = (
+        f"free at start {g(probe.free_start)}; record limit {g(probe.limit)}",
+        (f"A's peak {g(probe.a_peak_bytes)} (free then: {g(probe.free_at_a_peak)}); B after the handoff "
          f"{g(probe.b_after_handoff_bytes)}; handoff latency {probe.handoff_ms} ms"),
-        f"- contention: {probe.contention}",
-        f"- device backstop (no record limit): {probe.backstop}",
-        f"- free at each cycle's end: {[g(f) for f in probe.cycles_free]}",
-        (f"- handoff latency median {sorted(probe.handoff_ms)[len(probe.handoff_ms) // 2]} ms "
+        f"contention: {probe.contention}",
+        f"device backstop (no record limit): {probe.backstop}",
+        f"free at each cycle's end: {[g(f) for f in probe.cycles_free]}",
+        (f"handoff latency median {sorted(probe.handoff_ms)[len(probe.handoff_ms) // 2]} ms "
          f"(min {min(probe.handoff_ms)}, max {max(probe.handoff_ms)}, {len(probe.handoff_ms)} handoffs)"),
-        (f"- record usage while limited: max {g(probe.max_used)}; {probe.samples_over_limit} of {probe.samples} "
+        (f"record usage while limited: max {g(probe.max_used)}; {probe.samples_over_limit} of {probe.samples} "
          "samples (every 2 ms) over the limit"),
-    ]
+    )
     return write_probe_report(out_dir, "sharing", "Two processes share one GPU through the kvcached core",
                               environment, asdict(probe),
                               "`serving_probes/sharing.py` (its docstring). 2 MiB pages, one budget record for the GPU.",
-                              body, probe.checks)
+                              [Section("Measured", (Bullets(found),))], probe.checks, save)
+
+
+def render_saved(data: dict[str, object], environment: Provenance, out_dir: Path) -> Path:
+    """The report of a saved run (``sharing.json``), rendered again."""
+    return write_report(SharingProbe(**data), out_dir, environment, save=False)  # type: ignore[arg-type]
+
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

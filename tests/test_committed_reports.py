@@ -51,3 +51,23 @@ def test_the_compatibility_table_renders_again(tmp_path: Path) -> None:
 
     saved = _committed("compat", "rows").parent
     _same_report(saved / "README.md", compat.render(compat.load_versions(saved), tmp_path))
+
+
+@pytest.mark.parametrize("name", ["isolation", "sharing"])
+def test_a_gpu_probe_renders_again(tmp_path: Path, name: str) -> None:
+    from serving_probes import probe_report
+
+    saved = _committed("gpu", name, f"{name}.json")
+    data, environment = probe_report.load(saved)
+    module = __import__(probe_report.PROBES[name], fromlist=["render_saved"])
+    _same_report(saved.with_suffix(".md"), module.render_saved(data, environment, tmp_path))
+    assert not (tmp_path / f"{name}.json").exists()  # rendering again leaves the saved data alone
+
+
+def test_the_gpu_probes_and_bandwidth_render_again(tmp_path: Path) -> None:
+    from serving_probes import bandwidth, report
+
+    for sub, render in (("latest", report.render), ("bandwidth", bandwidth.render_saved)):
+        saved = _committed("gpu", sub, "results.json").parent
+        shutil.copy(saved / "results.json", tmp_path / "results.json")
+        _same_report(saved / "report.md", render(tmp_path))

