@@ -161,10 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             san_rows, san_logs = run_all(tool)
             results["sanitizer"] = [dataclasses.asdict(r) for r in san_rows]
             results["sanitizer_logs"] = san_logs
-            for r in san_rows:
-                failed |= r.verdict == "FAIL"
-                print(f"sanitizer {r.name}: {r.verdict} (exit {r.exit_code}, {r.errors} errors, "
-                      f"{r.leaked_bytes} B leaked in {r.leaked_allocations}; APIs: {r.apis_in_reports or '-'})",
+            for san in san_rows:
+                failed |= san.verdict == "FAIL"
+                print(f"sanitizer {san.name}: {san.verdict} (exit {san.exit_code}, {san.errors} errors, "
+                      f"{san.leaked_bytes} B leaked in {san.leaked_allocations}; APIs: {san.apis_in_reports or '-'})",
                       flush=True)
 
     if "serving" in args.only:

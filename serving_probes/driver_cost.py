@@ -81,7 +81,7 @@ def measure(device: str, page_size: int, pages: int, rounds: int = 5) -> CostRes
                             statistics.median(r.unmap_us for r in samples)))
         ratios = [r[i].total_us / _floor_row(c).total_us for c, r in timed]
         ratio_range[first.path] = (round(min(ratios), 3), round(max(ratios), 3))
-    breakdown = [{"driver call": key.removesuffix("_us").replace("_", " "),
+    breakdown: list[dict[str, object]] = [{"driver call": key.removesuffix("_us").replace("_", " "),
                   "measured_us": round(value, 2), "spec_reference_us": SPEC_REFERENCE_US[key]}
                  for key, value in calls.items()]
     return CostResult(rows, breakdown, ratio_range)

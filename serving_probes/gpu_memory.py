@@ -99,7 +99,7 @@ class Sampler:
     """Device, process and kvcached memory every ``period`` seconds, on a thread."""
 
     def __init__(self, period: float = 0.02) -> None:
-        import pynvml
+        import pynvml  # type: ignore[import-not-found,import-untyped,unused-ignore]  # no stubs; only on a GPU host
         import torch
 
         self.torch, self.nvml, self.period = torch, pynvml, period

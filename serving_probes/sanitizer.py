@@ -111,6 +111,11 @@ def judge(expect: str, exit_code: int, errors: int, leaked: int) -> str:
     raise ValueError(f"unknown expectation {expect!r}; use {CLEAN!r}, {LEAK_REPORTED!r} or {OBSERVE!r}")
 
 
+def _text(output: bytes | str | None) -> str:
+    """What a timed-out child had written (bytes even with ``text=True``, as CPython hands it over)."""
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
 def run_all(tool: str, runs: tuple[SanitizerRun, ...] = RUNS,
             timeout_s: int = 300) -> tuple[list[SanitizerResult], dict[str, str]]:
     """Run each program under memcheck; return one result per run and its full log."""
@@ -122,7 +127,7 @@ def run_all(tool: str, runs: tuple[SanitizerRun, ...] = RUNS,
             proc = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=timeout_s, env=env)
             text, code = proc.stdout + proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as e:
-            text = f"{e.stdout or ''}{e.stderr or ''}\n[timed out after {timeout_s} s]"
+            text = f"{_text(e.stdout)}{_text(e.stderr)}\n[timed out after {timeout_s} s]"
             code = 124
         summary = summarize(text)
         shown = " ".join("python" if a == sys.executable else a for a in argv[1:])
