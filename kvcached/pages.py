@@ -5,28 +5,42 @@ Mapping kv page ``p`` maps VMM pages ``[p*k_r, (p+1)*k_r)`` of every backing ran
 (one backing per KV tensor, all indexed by the same block ids), so one kv page is the
 same set of block ids in every layer.
 
-`PagePool` is policy over that mechanism:
+The space protocol (`KvPageSpace`) is the whole contract between a pool and where its
+pages live: map a batch now (all-or-nothing), send one without waiting (`map_pages_later`;
+``defers_maps`` says whether that returns before the maps are done), unmap (strictly, or
+as a retry that skips what is gone), name the pages a failed map left behind
+(`still_mapped`), and report capacity. `PageSpace` is this process's ranges;
+``kvcached.ranks.RankedPageSpace`` is every rank of a multiprocess engine.
+
+`PagePool` keeps the books of the mapped set and asks its policies
+(``kvcached.policies``, one decision per object, given to it as `PoolPolicies`) what to do:
 
 * pages handed to the ledger are *in use*; idle mapped pages form the *reserve*;
-  invariant: ``mapped == in_use | reserve`` and ``in_use & reserve == {}``;
-* the reserve is refilled after a take up to the *pace* (pages taken per step lately,
-  decaying by one a step), at least ``min_reserve_pages`` and at most
-  ``max_reserve_pages``, and trimmed down to ``max_reserve_pages`` by `collect`, but only
-  pages whose fence ticket has passed are unmapped (a step still in flight may touch them);
+  invariant: ``mapped == in_use | reserve | quarantined`` (disjoint), and pages of a
+  refill in flight are ``pending`` (none of those, never handed out, never unmapped);
+* the reserve is refilled after a take up to `ReservePolicy.target` (the pace within the
+  watermarks) and trimmed down to ``max_reserve_pages`` by `collect`, but only pages whose
+  fence ticket has passed are unmapped (a step still in flight may touch them);
 * a batch map is all-or-nothing: a failure in the middle unmaps what the batch mapped;
-* the physical-capacity query is cached for ``capacity_ttl_s`` and invalidated by this
-  pool's own map/unmap, so only other processes' changes can be stale;
-* a *limit* (``limit_pages``, read from the ``limiter`` after every step: the engine's own
-  limit, or the device's global one while it is exceeded) bounds the mapped pages, refills
-  in flight included: capacity and refills stop at it, and `collect` gives back reserve
-  pages (as the fence allows) while the pool is over it. In-use pages are never taken:
-  `over_limit` says how many pages the reserve cannot cover, for the caller to empty;
-* a space whose maps are round trips to other processes (``DeferredMaps``: the ranks of a
-  multiprocess engine) has its reserve refilled *ahead of demand* without waiting: the
-  refill is sent, its pages are ``pending`` (neither in use nor in the reserve, never
-  handed out, never unmapped), and they join the reserve once every rank confirmed, at the
-  pool's next decision. A refused refill leaves nothing mapped and is counted as a map
-  failure. So a step whose demand the reserve covers waits for no round trip.
+  `RetryPolicy` retries an exhausted map of a caller that waits;
+* the physical-capacity query is cached (`CapacityCache`) and invalidated by this pool's
+  own map/unmap, so only other processes' changes can be stale;
+* `EngineLimit` bounds the mapped pages, refills in flight included: capacity and refills
+  stop at it, and `collect` gives back reserve pages (as the fence allows) while the pool
+  is over it. In-use pages are never taken: `over_limit` says how many pages the reserve
+  cannot cover, for the caller to empty;
+* a page whose unmap failed goes to the `Quarantine` (retried with a backoff; it decides
+  the pool's `PoolHealth`);
+* a fault plan's ``map`` site is a `FailingSpace` between the pool and its space;
+* a space that defers maps (the ranks of a multiprocess engine) has its reserve refilled
+  *ahead of demand* without waiting: the refill is sent, its pages are ``pending``, and
+  they join the reserve once every rank confirmed, at the pool's next decision. A refused
+  refill leaves nothing mapped and is counted as a map failure. So a step whose demand the
+  reserve covers waits for no round trip.
+
+Thread safety: every public method of `PagePool` holds its (re-entrant) lock, and the
+policies are only called under it. A background refill thread (``kvcached-refill``) only
+completes the confirmations of deferred maps, which the pool reads under its lock.
 
 Cost: every decision is proportional to the pages it touches, never to the space. The
 mapped set is kept as it changes, the lowest unmapped pages come from a lazy min-heap,
@@ -37,16 +51,27 @@ from __future__ import annotations
 
 import heapq
 import threading
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from typing import Protocol
 
 from kvcached.config import KvcachedConfig
 from kvcached.errors import BackendError, ConfigError, InvariantError, PhysicalMemoryExhausted
 from kvcached.faults import FaultInjector
 from kvcached.fence import StepFence
+from kvcached.policies import (
+    FAILED_AFTER,
+    MAX_RETRY_STEPS,
+    FailingSpace,
+    Limiter,
+    PoolHealth,
+    PoolPolicies,
+)
+
+__all__ = [
+    "FAILED_AFTER", "MAX_RETRY_STEPS", "Charger", "Confirmation", "KvPageSpace", "Limiter", "PagePool",
+    "PageSpace", "PoolCounters", "PoolHealth", "Range",
+]
 
 
 class Range(Protocol):
@@ -72,15 +97,6 @@ class Charger(Protocol):
     def available(self) -> int | None: ...
 
 
-class Limiter(Protocol):
-    """Where an engine's page limit comes from (`kvcached.budget.EngineBudget`): asked after
-    every step with what the pool has mapped; answers the most kv pages it may have mapped
-    (None: no limit)."""
-
-    def poll(self, *, mapped: int, in_use: int, reserved: int) -> int | None: ...
-    def close(self) -> None: ...
-
-
 class Confirmation(Protocol):
     """A map request in flight: `result` waits for it, and raises as ``map_pages`` would
     (nothing of the batch mapped anywhere) when it was refused; `done` says whether its
@@ -90,18 +106,22 @@ class Confirmation(Protocol):
     def done(self) -> bool: ...
 
 
-class DeferredMaps(Protocol):
-    """A space that can send a map without waiting for it (see `PagePool`)."""
-
-    def map_pages_later(self, kv_pages: Sequence[int]) -> Confirmation: ...
-
-
 class KvPageSpace(Protocol):
     """What a `PagePool` maps into: kv pages of one engine's KV cache.
 
     `PageSpace` is the local one (this process's ranges); ``kvcached.ranks.RankedPageSpace``
     maps the same kv pages on every rank of a multiprocess engine through a channel.
-    ``map_pages`` is all-or-nothing: when it raises, no page of the batch is mapped.
+
+    * ``map_pages`` is all-or-nothing: when it raises, no page of the batch is usable; the
+      pages its failed undo left mapped somewhere are those `still_mapped` names.
+    * ``map_pages_later`` sends a map and returns its `Confirmation`. ``defers_maps``: True
+      when that returns before the maps are done (the pool then refills ahead of demand
+      with it); False when it maps at once, in which case the pool maps its refills itself
+      and never calls it.
+    * ``unmap_pages``: ``strict`` makes a page no backing maps an `InvariantError` before
+      anything changes; a retry after a partial failure passes False (what is left is
+      unmapped, what is gone is skipped). A failure raises `BackendError` after every
+      backing (or rank) was tried.
     """
 
     @property
@@ -112,9 +132,27 @@ class KvPageSpace(Protocol):
     def vmm_page_bytes(self) -> int: ...
     @property
     def round_trips(self) -> int: ...
+    @property
+    def defers_maps(self) -> bool: ...
     def map_pages(self, kv_pages: Sequence[int]) -> None: ...
-    def unmap_pages(self, kv_pages: Sequence[int]) -> None: ...
+    def map_pages_later(self, kv_pages: Sequence[int]) -> Confirmation: ...
+    def unmap_pages(self, kv_pages: Sequence[int], *, strict: bool = True) -> None: ...
+    def still_mapped(self, kv_pages: Sequence[int]) -> list[int]: ...
     def physical_available(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """The `Confirmation` of a map that already happened (or failed with ``error``)."""
+
+    error: BackendError | None = None
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> None:
+        if self.error is not None:
+            raise self.error
 
 
 @dataclass(frozen=True)
@@ -153,6 +191,20 @@ class PageSpace:
     def round_trips(self) -> int:
         """Blocking requests to other processes: none, the ranges are this process's."""
         return 0
+
+    @property
+    def defers_maps(self) -> bool:
+        """False: this process's ranges map at once."""
+        return False
+
+    def map_pages_later(self, kv_pages: Sequence[int]) -> Confirmation:
+        """Map now (nothing here can be deferred); the confirmation raises as `map_pages`
+        would have."""
+        try:
+            self.map_pages(kv_pages)
+        except BackendError as exc:
+            return Settled(exc)
+        return Settled()
 
     @property
     def kv_page_bytes(self) -> int:
@@ -258,32 +310,10 @@ class PageSpace:
         return device if budget is None else min(device, budget)
 
 
-class PoolHealth(str, Enum):
-    """Whether a pool's pages all behave (`PagePool.health`).
-
-    * ``HEALTHY``: no page is quarantined.
-    * ``DEGRADED``: some pages are quarantined (an unmap failed in some backing or rank);
-      they are never handed out, stay charged, and are retried with a backoff. The pool
-      serves on with the rest and returns to ``HEALTHY`` once a retry succeeds.
-    * ``FAILED``: the quarantine failed `FAILED_AFTER` retries in a row: the backend keeps
-      refusing to give that memory back, which will likely last until the engine restarts.
-      The pool still serves (refusing to would strand running requests) and keeps retrying
-      at the slowest pace; ``kvcached.stats()`` reports it so health checks can act.
-    """
-
-    HEALTHY = "healthy"
-    DEGRADED = "degraded"
-    FAILED = "failed"
-
-
-#: Failed quarantine retries in a row that make a pool FAILED.
-FAILED_AFTER = 5
-#: Backoff of quarantine retries, in steps (`collect` calls): 2, 4, 8, ... at most this many.
-MAX_RETRY_STEPS = 1024
-
-
 @dataclass(frozen=True, slots=True)
 class PoolCounters:
+    """A snapshot of a pool's counts (`PagePool.counters`), as `kvcached.stats()` reports them."""
+
     maps: int
     unmaps: int
     map_failures: int
@@ -298,8 +328,68 @@ class PoolCounters:
     health: PoolHealth = PoolHealth.HEALTHY
 
 
+
+@dataclass(slots=True)
+class PoolTally:
+    """A pool's running counts (`PoolCounters` is their snapshot)."""
+
+    maps: int = 0  # pages mapped (and adopted)
+    unmaps: int = 0  # pages unmapped in every backing
+    map_failures: int = 0  # map batches refused (exhaustion, a driver error, a fault)
+    takes: int = 0  # pages made in use
+    reserve_hits: int = 0  # ... that were mapped already (no driver call, no wait)
+    blocking_maps: int = 0  # pages mapped, or waited for, on the caller's path
+    peak: int = 0  # most pages mapped at once
+
+
+class LowestUnmapped:
+    """Candidates for the lowest unmapped kv pages: a min-heap that may hold stale entries
+    (pages mapped since, duplicates), dropped as they are met. Invariant: every unmapped
+    page of ``range(num_pages)`` is in the heap; it never holds more than
+    ``2 * num_pages + 64`` entries after `freed` (then it is rebuilt, amortized)."""
+
+    __slots__ = ("heap", "num_pages")
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self.heap = list(range(num_pages))  # sorted, hence a heap
+
+    def __len__(self) -> int:
+        return len(self.heap)
+
+    def lowest(self, n: int, mapped: Container[int], skip: Container[int]) -> list[int]:
+        """Up to ``n`` pages neither ``mapped`` nor in ``skip``, lowest first; O(n log N)."""
+        heap = self.heap
+        out: list[int] = []
+        seen: set[int] = set()
+        while heap and len(out) < n:
+            page = heapq.heappop(heap)
+            if page in seen or page in mapped:
+                continue  # a duplicate, or stale (pushed again when it is unmapped)
+            seen.add(page)
+            if page not in skip:
+                out.append(page)
+        for page in seen:
+            heapq.heappush(heap, page)
+        return out
+
+    def freed(self, pages: Sequence[int], mapped: Container[int]) -> None:
+        """``pages`` were unmapped (``mapped``: the mapped set after that)."""
+        if len(self.heap) + len(pages) > 2 * self.num_pages + 64:
+            # Too many stale entries: rebuild (amortized over as many unmaps).
+            self.heap[:] = [p for p in range(self.num_pages) if p not in mapped]
+        else:
+            for page in pages:
+                heapq.heappush(self.heap, page)
+
+
 class PagePool:
-    """Maps and unmaps kv pages of one `PageSpace` under a reserve policy and a step fence."""
+    """The mapped set of one `KvPageSpace`, under the policies it is given and a step fence.
+
+    Invariants (under ``_lock``): ``_mapped == in_use | reserve | quarantined``, the three
+    disjoint; ``pending`` is disjoint from ``_mapped``; a quarantined or pending page is
+    never handed out; every change of ``_mapped`` is told to the watcher.
+    """
 
     def __init__(
         self,
@@ -309,37 +399,47 @@ class PagePool:
         fence: StepFence | None = None,
         faults: FaultInjector | None = None,
         limiter: Limiter | None = None,
+        policies: PoolPolicies | None = None,
     ) -> None:
+        """``policies`` default to `PoolPolicies.from_config` (with ``limiter``); given
+        policies bring their own limiter, so passing both is a `ConfigError`."""
+        if policies is not None and limiter is not None:
+            raise ConfigError("give the limiter inside the pool's policies or on its own, not both")
         self.space = space
         self.config = config
         self.fence = fence if fence is not None else StepFence()
         self.faults = faults
-        self.limiter = limiter
-        self.limit_pages: int | None = None  # the limiter's last answer
+        self.policies = policies if policies is not None else PoolPolicies.from_config(config, limiter)
+        #: Where maps go: the space, behind the fault plan's refusals when there is one.
+        self._maps_into: KvPageSpace = space if faults is None else FailingSpace(space, faults)
         self._lock = threading.RLock()
         self.in_use: set[int] = set()
         self.reserve: dict[int, int] = {}  # kv page -> fence ticket of its release
         self.pending: dict[int, Confirmation] = {}  # kv page -> its refill in flight
-        self._capacity: tuple[float, int] | None = None  # (time, kv pages) cache
-        self._maps = self._unmaps = self._failures = self._unmap_failures = 0
-        #: Pages an unmap failed for in some backing: neither in use nor in the reserve, never
-        #: handed out or mapped again (they stay in the mapped set), retried by `collect`.
-        self.quarantined: set[int] = set()
-        # Quarantine retries: failed in a row, and the step (`collect` count) of the next one.
-        self._retry_failures = 0
-        self._steps = self._retry_at = 0
-        self._takes = self._hits = self._blocking = 0
-        # The reserve's pace: pages taken per step lately (`collect` ends a step). Refills
-        # keep that many pages ahead, between the min and max watermarks, so a step whose
-        # demand is several pages still finds them mapped.
-        self._taken_this_step = 0
-        self.pace = 0
-        self._peak = 0
-        self._mapped: set[int] = set()  # == in_use | reserve, kept as it changes
-        # Candidates for the lowest unmapped pages: a min-heap that may hold stale entries
-        # (pages mapped since, duplicates); `lowest_unmapped` drops them as it meets them.
-        self._unmapped_heap = list(range(space.num_kv_pages))  # sorted, hence a heap
+        self._mapped: set[int] = set()  # == in_use | reserve | quarantined, kept as it changes
+        self._unmapped = LowestUnmapped(space.num_kv_pages)
+        self._tally = PoolTally()
         self._watcher: Callable[[Sequence[int], Sequence[int]], None] | None = None
+
+    # ---- the policies' state, as callers read it -------------------------------------
+    @property
+    def limiter(self) -> Limiter | None:
+        return self.policies.limit.limiter
+
+    @property
+    def limit_pages(self) -> int | None:
+        """The limiter's last answer (None: no limit)."""
+        return self.policies.limit.pages
+
+    @property
+    def pace(self) -> int:
+        return self.policies.reserve.pace
+
+    @property
+    def quarantined(self) -> set[int]:
+        """Pages an unmap failed for in some backing: neither in use nor in the reserve,
+        never handed out or mapped again (they stay in the mapped set), retried by `collect`."""
+        return self.policies.quarantine.pages
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -359,9 +459,7 @@ class PagePool:
     @property
     def health(self) -> PoolHealth:
         with self._lock:
-            if not self.quarantined:
-                return PoolHealth.HEALTHY
-            return PoolHealth.FAILED if self._retry_failures >= FAILED_AFTER else PoolHealth.DEGRADED
+            return self.policies.quarantine.health
 
     def watch(self, watcher: Callable[[Sequence[int], Sequence[int]], None]) -> None:
         """Call ``watcher(mapped, unmapped)`` after every change of the mapped set.
@@ -377,19 +475,7 @@ class PagePool:
         """Up to ``n`` unmapped kv pages, lowest first (pages of a refill in flight count
         as unmapped unless ``skip_pending``). O(n log N) amortized; no state changes."""
         with self._lock:
-            heap = self._unmapped_heap
-            out: list[int] = []
-            seen: set[int] = set()
-            while heap and len(out) < n:
-                page = heapq.heappop(heap)
-                if page in seen or page in self._mapped:
-                    continue  # a duplicate, or stale (pushed again when it is unmapped)
-                seen.add(page)
-                if not (skip_pending and page in self.pending):
-                    out.append(page)
-            for page in seen:
-                heapq.heappush(heap, page)
-            return out
+            return self._unmapped.lowest(n, self._mapped, self.pending if skip_pending else ())
 
     def settle(self) -> None:
         """Take in every refill whose replies have arrived (never waits)."""
@@ -403,60 +489,49 @@ class PagePool:
             return page in self._mapped and page not in self.quarantined
 
     def capacity_pages(self) -> int:
-        """kv pages this pool could map now (cached for ``capacity_ttl_s``)."""
+        """kv pages this pool could map now (the space's answer cached by `CapacityCache`)."""
         with self._lock:
-            now = time.monotonic()
-            if self._capacity is not None and now - self._capacity[0] < self.config.capacity_ttl_s:
-                return min(self._capacity[1], self._room())
-            pages = self.space.physical_available() // self.space.kv_page_bytes
-            self._capacity = (now, pages)
+            pages = self.policies.capacity.get(lambda: self.space.physical_available() // self.space.kv_page_bytes)
             return min(pages, self._room())
+
+    def _in_flight_mapped(self) -> int:
+        """Pages mapped, refills in flight included (they are, or are being)."""
+        return len(self._mapped) + len(self.pending)
 
     def _room(self) -> int:
         """Pages the limit still allows (refills in flight count as mapped); large if none."""
-        if self.limit_pages is None:
-            return self.space.num_kv_pages
-        return max(0, self.limit_pages - len(self._mapped) - len(self.pending))
+        return self.policies.limit.room(mapped=self._in_flight_mapped(), unbounded=self.space.num_kv_pages)
 
     def over_limit(self) -> int:
         """Pages mapped beyond the limit that the reserve cannot give back (in use)."""
         with self._lock:
-            if self.limit_pages is None:
-                return 0
-            return max(0, len(self._mapped) + len(self.pending) - self.limit_pages - len(self.reserve))
+            return self.policies.limit.over(mapped=self._in_flight_mapped(), reserve=len(self.reserve))
 
     def counters(self) -> PoolCounters:
         """Counts; pages of a refill in flight count as mapped (they are, or are being)."""
         with self._lock:
-            pending = len(self.pending)
-            return PoolCounters(self._maps + pending, self._unmaps, self._failures,
-                                len(self.in_use) + len(self.reserve) + pending,
-                                max(self._peak, len(self.in_use) + len(self.reserve) + pending),
-                                len(self.reserve) + pending, self._takes, self._hits, self._blocking,
-                                self._unmap_failures, len(self.quarantined), self.health)
+            t, q, pending = self._tally, self.policies.quarantine, len(self.pending)
+            mapped = len(self.in_use) + len(self.reserve) + pending
+            return PoolCounters(t.maps + pending, t.unmaps, t.map_failures, mapped, max(t.peak, mapped),
+                                len(self.reserve) + pending, t.takes, t.reserve_hits, t.blocking_maps,
+                                q.unmap_failures, len(q.pages), q.health)
 
     # ---- mechanism -----------------------------------------------------------------
     def _map_batch(self, pages: Sequence[int]) -> None:
-        """Map ``pages`` (all unmapped) into the reserve; all-or-nothing.
-
-        Site ``"map"`` is checked once per page *before* anything is mapped, so an injected
-        failure on the n-th page costs no mapping and the space sees one batch (one round
-        trip for a space that spans ranks).
-        """
+        """Map ``pages`` (all unmapped) into the reserve in one batch; all-or-nothing (one
+        round trip for a space that spans ranks). A failure is counted, and what its undo
+        left mapped somewhere is quarantined."""
         if not pages:
             return
         try:
-            if self.faults is not None:
-                for _ in pages:
-                    self.faults.check("map")
-            self.space.map_pages(pages)
+            self._maps_into.map_pages(pages)
         except BackendError:  # exhaustion, or a driver error: nothing of the batch is usable
-            self._failures += 1
-            self._capacity = None
+            self._tally.map_failures += 1
+            self.policies.capacity.invalidate()
             self._quarantine_stuck(pages)
             raise
-        self._capacity = None
-        self._maps += len(pages)
+        self.policies.capacity.invalidate()
+        self._tally.maps += len(pages)
         for page in pages:
             self.reserve[page] = 0
         self._mapped_now(pages)
@@ -464,21 +539,9 @@ class PagePool:
     def _mapped_now(self, pages: Sequence[int]) -> None:
         """Bookkeeping after ``pages`` joined the reserve (already entered there)."""
         self._mapped.update(pages)
-        self._peak = max(self._peak, len(self._mapped))
+        self._tally.peak = max(self._tally.peak, len(self._mapped))
         if self._watcher is not None:
             self._watcher(pages, ())
-
-    def _map_with_retry(self, pages: Sequence[int], wait: bool) -> None:
-        attempts = self.config.map_retries + 1 if wait else 1
-        for attempt in range(attempts):
-            try:
-                self._map_batch(pages)
-                return
-            except PhysicalMemoryExhausted:
-                self._capacity = None
-                if attempt + 1 == attempts:
-                    raise
-                time.sleep(self.config.retry_backoff_s * (2**attempt))
 
     def _confirm(self, wait: bool, pages: Iterable[int] | None = None) -> None:
         """Settle refills in flight: confirmed pages join the reserve (ticket 0).
@@ -500,10 +563,10 @@ class PagePool:
             try:
                 conf.result()
             except BackendError:  # refused on some rank: undone on every rank (the protocol)
-                self._failures += 1
-                self._capacity = None
+                self._tally.map_failures += 1
+                self.policies.capacity.invalidate()
                 continue
-            self._maps += len(pages_)
+            self._tally.maps += len(pages_)
             for page in pages_:
                 self.reserve[page] = 0
             self._mapped_now(pages_)
@@ -515,21 +578,18 @@ class PagePool:
         return {p for p in pages if p in self.pending and not self.pending[p].done()}
 
     def _refill_later(self, pages: list[int]) -> bool:
-        """Send a refill without waiting (deferred spaces only); False if nothing was sent."""
-        later = getattr(self.space, "map_pages_later", None)
-        if later is None or not pages:
+        """Send a refill without waiting (spaces that defer maps only); False if nothing
+        was sent."""
+        if not pages or not self.space.defers_maps:
             return False
         try:
-            if self.faults is not None:
-                for _ in pages:
-                    self.faults.check("map")
-        except PhysicalMemoryExhausted:
-            self._failures += 1
-            return True  # refused on purpose: as if the ranks had refused it
-        confirmation = later(pages)
+            confirmation = self._maps_into.map_pages_later(pages)
+        except PhysicalMemoryExhausted:  # refused on purpose: as if the ranks had refused it
+            self._tally.map_failures += 1
+            return True
         if confirmation.done():
-            self._blocking += len(pages)  # it ran inline, on the caller's path (in-process worker)
-        self._capacity = None
+            self._tally.blocking_maps += len(pages)  # it ran inline, on the caller's path (in-process worker)
+        self.policies.capacity.invalidate()
         for page in pages:
             self.pending[page] = confirmation
         return True
@@ -543,68 +603,48 @@ class PagePool:
             return
         for page in pages:
             del self.reserve[page]
-        self._capacity = None
+        self.policies.capacity.invalidate()
         if self._watcher is not None:
             self._watcher((), pages)  # the ledger stops counting their blocks either way
         try:
             self.space.unmap_pages(pages)
         except BackendError:
-            self._unmap_failures += 1
-            self.quarantined.update(pages)
+            self.policies.quarantine.add(pages)
             return
         self._forget(pages)
 
     def _forget(self, pages: Sequence[int]) -> None:
         """``pages`` are unmapped in every backing: they may be mapped again."""
         self._mapped.difference_update(pages)
-        self._unmaps += len(pages)
-        heap = self._unmapped_heap
-        if len(heap) + len(pages) > 2 * self.space.num_kv_pages + 64:
-            # Too many stale entries: rebuild (amortized over as many unmaps).
-            heap[:] = [p for p in range(self.space.num_kv_pages) if p not in self._mapped]
-        else:
-            for page in pages:
-                heapq.heappush(heap, page)
-
-    def _unmap_space(self, pages: Sequence[int], strict: bool) -> None:
-        if isinstance(self.space, PageSpace):
-            self.space.unmap_pages(pages, strict=strict)
-        else:  # the ranks keep their own books (`kvcached.ranks.RankPages`): a retry is theirs
-            self.space.unmap_pages(pages)
+        self._tally.unmaps += len(pages)
+        self._unmapped.freed(pages, self._mapped)
 
     def _quarantine_stuck(self, pages: Sequence[int]) -> None:
         """After a failed map whose undo failed too: pages a backing still maps are
         quarantined (never handed out, retried by `collect`) instead of looking free."""
-        still_mapped = getattr(self.space, "still_mapped", None)  # ranks undo their own (`kvcached.ranks`)
-        stuck = still_mapped(pages) if still_mapped is not None else []
-        if stuck:
-            self._unmap_failures += 1
+        if stuck := self.space.still_mapped(pages):
+            self.policies.quarantine.add(stuck)
             self._mapped.update(stuck)
-            self.quarantined.update(stuck)
 
     def _retry_quarantine(self, *, now: bool = False) -> None:
-        """Unmap the quarantined pages again (each backing unmaps what it still maps), when
-        the backoff allows (``now``: regardless). After ``k`` failures in a row the next try
-        is ``2**k`` steps later (at most `MAX_RETRY_STEPS`): a backend that keeps refusing
-        costs a failing call every few hundred steps, not one per step."""
-        if not self.quarantined or (not now and self._steps < self._retry_at):
+        """Unmap the quarantined pages again (each backing or rank unmaps what it still
+        maps) when the quarantine's backoff allows (``now``: regardless)."""
+        quarantine = self.policies.quarantine
+        if not quarantine.due(now=now):
             return
-        pages = sorted(self.quarantined)
         try:
-            self._unmap_space(pages, strict=False)
+            self.space.unmap_pages(sorted(quarantine.pages), strict=False)
         except BackendError:
-            self._unmap_failures += 1
-            self._retry_failures += 1
-            self._retry_at = self._steps + min(2 ** self._retry_failures, MAX_RETRY_STEPS)
+            quarantine.retry_failed()
             return
-        self._retry_failures = self._retry_at = 0
-        self.quarantined.clear()
-        self._capacity = None
+        pages = quarantine.retry_succeeded()
+        self.policies.capacity.invalidate()
         self._forget(pages)
 
     # ---- policy --------------------------------------------------------------------
     def acquire(self, pages: Iterable[int], *, wait: bool = False) -> None:
-        """Make ``pages`` in use, mapping those not mapped in one batch (all-or-nothing).
+        """Make ``pages`` in use, mapping those not mapped in one batch (all-or-nothing;
+        ``wait``: retried as the `RetryPolicy` says while memory is short).
 
         Raises `PhysicalMemoryExhausted` (or `InjectedFault`) with no state changed.
         """
@@ -617,12 +657,12 @@ class PagePool:
                 if page in self.in_use or not 0 <= page < self.space.num_kv_pages:
                     raise InvariantError(f"kv page {page} is already in use or out of range")
             missing = [p for p in wanted if p not in self.reserve]
-            self._map_with_retry(missing, wait)
+            self.policies.retry.run(lambda: self._map_batch(missing), wait=wait)
             blocked = len(waited.union(missing))
-            self._taken_this_step += len(wanted)
-            self._takes += len(wanted)
-            self._hits += len(wanted) - blocked
-            self._blocking += blocked
+            self.policies.reserve.took(len(wanted))
+            self._tally.takes += len(wanted)
+            self._tally.reserve_hits += len(wanted) - blocked
+            self._tally.blocking_maps += blocked
             for page in wanted:
                 del self.reserve[page]
                 self.in_use.add(page)
@@ -644,7 +684,7 @@ class PagePool:
                     raise InvariantError(f"kv page {page} is already known to the pool or out of range")
             for page in wanted:
                 self.reserve[page] = 0
-            self._maps += len(wanted)
+            self._tally.maps += len(wanted)
             self._mapped_now(wanted)
 
     def prefetch(self, pages: Sequence[int]) -> int:
@@ -672,7 +712,7 @@ class PagePool:
                         except BackendError:
                             break
                         mapped += 1
-            self._blocking += len(self._waits_for(in_flight)) + mapped
+            self._tally.blocking_maps += len(self._waits_for(in_flight)) + mapped
             self._confirm(wait=True, pages=in_flight)
             return mapped
 
@@ -698,14 +738,13 @@ class PagePool:
             self._confirm(wait=False)  # a refill in flight is never unmapped here
             if keep is not None:
                 return self._unmap_ready(keep)
-            # The end of a step: its takes set the pace (decaying by one a step), and the
-            # limit is read (and the pool's bytes published) for the next one.
-            self.pace = max(self._taken_this_step, self.pace - 1)
-            self._taken_this_step = 0
-            self._steps += 1
+            # The end of a step: its takes set the pace, the quarantine's backoff moves on,
+            # and the limit is read (and the pool's bytes published) for the next one.
+            self.policies.reserve.end_step()
+            self.policies.quarantine.end_step()
             self._retry_quarantine()
             self._poll_limit()
-            return self._unmap_ready(self._under_limit(self.config.max_reserve_pages), publish=True)
+            return self._unmap_ready(self._under_limit(self.policies.reserve.max_pages), publish=True)
 
     def shed(self) -> int:
         """Unmap the reserve pages (those the fence allows) the pool is over its limit by."""
@@ -715,10 +754,7 @@ class PagePool:
 
     def _under_limit(self, keep: int) -> int:
         """At most ``keep`` reserve pages, fewer while the pool is over its limit."""
-        if self.limit_pages is None:
-            return keep
-        over = len(self._mapped) + len(self.pending) - self.limit_pages
-        return max(0, min(keep, len(self.reserve) - over))
+        return self.policies.limit.keep(keep, reserve=len(self.reserve), mapped=self._in_flight_mapped())
 
     def _unmap_ready(self, keep: int, publish: bool = False) -> int:
         """Unmap reserve pages above ``keep`` whose ticket passed; ``publish``: tell the
@@ -736,10 +772,7 @@ class PagePool:
         return len(victims)
 
     def _poll_limit(self) -> None:
-        if self.limiter is not None:
-            mapped = len(self._mapped) + len(self.pending)
-            self.limit_pages = self.limiter.poll(mapped=mapped, in_use=len(self.in_use),
-                                                 reserved=mapped - len(self.in_use))
+        self.policies.limit.poll(mapped=self._in_flight_mapped(), in_use=len(self.in_use))
 
     def trim(self) -> int:
         """Give back every idle page the fence allows."""
@@ -756,7 +789,7 @@ class PagePool:
 
     def reserve_target(self) -> int:
         """Pages the reserve refills to: the pace, within the watermarks."""
-        return min(self.config.max_reserve_pages, max(self.config.min_reserve_pages, self.pace))
+        return self.policies.reserve.target()
 
     def _top_up(self) -> None:
         need = self.reserve_shortfall()

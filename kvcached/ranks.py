@@ -238,6 +238,11 @@ class RankedPageSpace:
         """Requests sent to the ranks that the scheduler waited for (every operation)."""
         return sum(self.calls.values())
 
+    @property
+    def defers_maps(self) -> bool:
+        """True: `map_pages_later` returns once the request is sent to the ranks."""
+        return True
+
     def note_available(self, replies: Sequence[RankReply]) -> None:
         """Capacity is the smallest rank's (every rank must map every page)."""
         if replies:
@@ -282,10 +287,14 @@ class RankedPageSpace:
             raise PhysicalMemoryExhausted(f"kv pages {list(pages)} not mapped: {why}")
         raise DriverError(f"kv pages {list(pages)} not mapped: {why}")
 
-    def unmap_pages(self, kv_pages: Sequence[int]) -> None:
+    def unmap_pages(self, kv_pages: Sequence[int], *, strict: bool = True) -> None:
         """Unmap on every rank. A rank that fails keeps the pages (its books say so): they
         are remembered with the ranks still holding them (`DriverError` is raised), and a
-        later unmap of the same pages, the pool's retry, goes to those ranks only."""
+        later unmap of the same pages, the pool's retry, goes to those ranks only.
+
+        ``strict`` changes nothing here: each rank checks the pages against its own books
+        (a page it does not map is refused there), and a retry is sent only to the ranks
+        that still hold the pages, so it never meets a page already gone."""
         if not kv_pages:
             return
         groups: dict[frozenset[int], list[int]] = {}
@@ -303,6 +312,11 @@ class RankedPageSpace:
             failed += [r for r in replies if not r.ok]
         if failed:
             raise DriverError(f"kv pages {list(kv_pages)} not unmapped on {_names(failed)}")
+
+    def still_mapped(self, kv_pages: Sequence[int]) -> list[int]:
+        """None: a refused map is undone on every rank before `map_pages` (or a deferred
+        map's ``result``) raises, and an undo that fails raises `InvariantError` instead."""
+        return []
 
     def physical_available(self) -> int:
         t, available = self._available

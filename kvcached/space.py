@@ -24,7 +24,8 @@ from typing import Any
 
 from kvcached.config import KvcachedConfig
 from kvcached.errors import ConfigError
-from kvcached.pages import Charger, KvPageSpace, Limiter, PageSpace, Range
+from kvcached.pages import Charger, KvPageSpace, PageSpace, Range
+from kvcached.policies import Limiter
 
 #: Refuse geometries where one kv page would need more VMM pages than this per backing
 #: (a pathological block stride); the user should pick another page size instead.

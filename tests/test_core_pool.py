@@ -213,7 +213,7 @@ def test_lowest_unmapped_stays_exact_and_bounded_over_many_map_cycles():
         assert pool.lowest_unmapped(8) == [p for p in range(8) if p not in pages]
         pool.release(pages)
         pool.collect()
-        assert len(pool._unmapped_heap) <= 2 * 8 + 64
+        assert len(pool._unmapped) <= 2 * 8 + 64
     pool.acquire([2, 5])
     assert pool.lowest_unmapped(3) == [0, 1, 3] and pool.lowest_unmapped(100) == [0, 1, 3, 4, 6, 7]
     assert vr.mapped_pages() == [2, 5]

@@ -1,0 +1,327 @@
+"""The `PagePool`'s policies: one decision per small object, composed like RMM's adaptors.
+
+`kvcached.pages.PagePool` keeps the books of which kv pages are mapped (in use, in the
+reserve, pending, quarantined) and asks these objects what to do about them:
+
+* `ReservePolicy`: how many idle mapped pages to keep ahead of demand (the *pace*);
+* `EngineLimit`: the most pages the engine may have mapped (its `Limiter`'s answer), and
+  what that leaves of capacity and of the reserve;
+* `RetryPolicy`: how often, and after which pauses, a map that ran out of memory is tried
+  again (pauses from the config, slept through a `Sleeper` it is given);
+* `Quarantine`: the pages an unmap failed for, when to retry them, and the pool's health;
+* `CapacityCache`: the last answer of the (possibly costly) physical-capacity query;
+* `FailingSpace`: a `KvPageSpace` adaptor that refuses maps on purpose (the fault plan's
+  ``map`` site), before its inner space sees them.
+
+One set of these belongs to one pool (`PoolPolicies`); they hold state of that pool and
+are not thread-safe on their own: the pool calls them under its lock. None of them maps
+or unmaps anything except `FailingSpace`, which only forwards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Protocol
+
+from kvcached.errors import ConfigError, PhysicalMemoryExhausted
+
+if TYPE_CHECKING:
+    from kvcached.config import KvcachedConfig
+    from kvcached.faults import FaultInjector
+    from kvcached.pages import Confirmation, KvPageSpace
+
+#: Sleeps for the given seconds (`time.sleep`; a test passes one that records instead).
+Sleeper = Callable[[float], None]
+
+
+class Limiter(Protocol):
+    """Where an engine's page limit comes from (`kvcached.budget.EngineBudget`): asked after
+    every step with what the pool has mapped; answers the most kv pages it may have mapped
+    (None: no limit)."""
+
+    def poll(self, *, mapped: int, in_use: int, reserved: int) -> int | None: ...
+    def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class ReservePolicy:
+    """How many idle mapped pages the pool keeps ahead of demand.
+
+    The *pace* is the pages taken per step lately: a step's takes set it, and each step
+    without as many decays it by one. The reserve refills to the pace, at least
+    ``min_pages`` and at most ``max_pages``, so a steady demand of several pages a step
+    finds them mapped. Invariant: ``0 <= min_pages <= target() <= max_pages``.
+    """
+
+    min_pages: int
+    max_pages: int
+    pace: int = 0
+    taken_this_step: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_pages <= self.max_pages:
+            raise ConfigError(f"reserve watermarks min={self.min_pages} max={self.max_pages} "
+                              "need 0 <= min <= max")
+
+    @classmethod
+    def from_config(cls, config: KvcachedConfig) -> ReservePolicy:
+        return cls(config.min_reserve_pages, config.max_reserve_pages)
+
+    def took(self, pages: int) -> None:
+        """``pages`` were made in use during this step."""
+        self.taken_this_step += pages
+
+    def end_step(self) -> None:
+        """The step is over: its takes set the pace, or the pace decays by one."""
+        self.pace = max(self.taken_this_step, self.pace - 1)
+        self.taken_this_step = 0
+
+    def target(self) -> int:
+        """Pages the reserve refills to: the pace, within the watermarks."""
+        return min(self.max_pages, max(self.min_pages, self.pace))
+
+
+@dataclass(slots=True)
+class EngineLimit:
+    """The most kv pages the engine may have mapped, as its ``limiter`` last answered.
+
+    ``mapped`` below always counts refills in flight (they are mapped, or are being). No
+    limiter, or an answer of None: no limit, and every question answers as if unbounded.
+    """
+
+    limiter: Limiter | None = None
+    pages: int | None = None  # the limiter's last answer
+
+    def poll(self, *, mapped: int, in_use: int) -> None:
+        """Publish what the pool maps and read the limit for the next step."""
+        if self.limiter is not None:
+            self.pages = self.limiter.poll(mapped=mapped, in_use=in_use, reserved=mapped - in_use)
+
+    def room(self, *, mapped: int, unbounded: int) -> int:
+        """Pages the limit still allows mapping (``unbounded`` when there is no limit)."""
+        return unbounded if self.pages is None else max(0, self.pages - mapped)
+
+    def keep(self, keep: int, *, reserve: int, mapped: int) -> int:
+        """At most ``keep`` reserve pages, fewer while the pool is over its limit."""
+        if self.pages is None:
+            return keep
+        return max(0, min(keep, reserve - (mapped - self.pages)))
+
+    def over(self, *, mapped: int, reserve: int) -> int:
+        """Pages mapped beyond the limit that the reserve cannot give back (in use)."""
+        return 0 if self.pages is None else max(0, mapped - self.pages - reserve)
+
+    def close(self) -> None:
+        if self.limiter is not None:
+            self.limiter.close()
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """Retries an operation that ran out of physical memory, with a doubling pause.
+
+    A waiting call makes ``1 + retries`` attempts at most, pausing ``backoff_s * 2**k``
+    after the ``k``-th failure; a call that does not wait makes one. Only
+    `PhysicalMemoryExhausted` (which includes injected faults) is retried: memory another
+    process holds may come back, a driver error or a broken invariant will not.
+    """
+
+    retries: int
+    backoff_s: float
+    sleep: Sleeper = time.sleep
+
+    def __post_init__(self) -> None:
+        if self.retries < 0 or not self.backoff_s >= 0.0:
+            raise ConfigError(f"retry policy needs retries >= 0 and backoff_s >= 0, got "
+                              f"{self.retries} and {self.backoff_s}")
+
+    @classmethod
+    def from_config(cls, config: KvcachedConfig, sleep: Sleeper = time.sleep) -> RetryPolicy:
+        return cls(config.map_retries, config.retry_backoff_s, sleep)
+
+    def run(self, attempt: Callable[[], None], *, wait: bool) -> None:
+        """Call ``attempt`` until it returns; re-raise its last exhaustion."""
+        attempts = self.retries + 1 if wait else 1
+        for k in range(attempts):
+            try:
+                attempt()
+                return
+            except PhysicalMemoryExhausted:
+                if k + 1 == attempts:
+                    raise
+                self.sleep(self.backoff_s * (2**k))
+
+
+class PoolHealth(str, Enum):
+    """Whether a pool's pages all behave (`PagePool.health`).
+
+    * ``HEALTHY``: no page is quarantined.
+    * ``DEGRADED``: some pages are quarantined (an unmap failed in some backing or rank);
+      they are never handed out, stay charged, and are retried with a backoff. The pool
+      serves on with the rest and returns to ``HEALTHY`` once a retry succeeds.
+    * ``FAILED``: the quarantine failed `FAILED_AFTER` retries in a row: the backend keeps
+      refusing to give that memory back, which will likely last until the engine restarts.
+      The pool still serves (refusing to would strand running requests) and keeps retrying
+      at the slowest pace; ``kvcached.stats()`` reports it so health checks can act.
+    """
+
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"
+    FAILED = "failed"
+
+
+#: Failed quarantine retries in a row that make a pool FAILED.
+FAILED_AFTER = 5
+#: Backoff of quarantine retries, in steps (`collect` calls): 2, 4, 8, ... at most this many.
+MAX_RETRY_STEPS = 1024
+
+
+@dataclass(slots=True)
+class Quarantine:
+    """Pages whose unmap failed somewhere, and when to try them again.
+
+    A quarantined page is still mapped in some backing or rank: the pool never hands it
+    out or maps it again, and it stays charged. After ``k`` failed retries in a row the
+    next is ``2**k`` steps later (at most `MAX_RETRY_STEPS`), so a backend that keeps
+    refusing costs one failing call per few hundred steps, not one per step.
+    ``unmap_failures`` counts every refused unmap (first tries and retries alike).
+    Invariant: ``failures == retry_at == 0`` whenever ``pages`` is empty after a success.
+    """
+
+    pages: set[int] = field(default_factory=set)
+    failures: int = 0  # failed retries in a row
+    retry_at: int = 0  # the step of the next retry
+    steps: int = 0  # steps seen (`end_step` calls)
+    unmap_failures: int = 0
+
+    def add(self, pages: Sequence[int]) -> None:
+        """An unmap of ``pages`` failed (counted once, however many pages)."""
+        self.unmap_failures += 1
+        self.pages.update(pages)
+
+    def end_step(self) -> None:
+        self.steps += 1
+
+    def due(self, *, now: bool = False) -> bool:
+        """Whether a retry should run (``now``: whenever there is something to retry)."""
+        return bool(self.pages) and (now or self.steps >= self.retry_at)
+
+    def retry_failed(self) -> None:
+        """The retry failed: back off."""
+        self.unmap_failures += 1
+        self.failures += 1
+        self.retry_at = self.steps + min(2**self.failures, MAX_RETRY_STEPS)
+
+    def retry_succeeded(self) -> list[int]:
+        """The retry unmapped everything: returns the pages, now free, and forgets them."""
+        pages = sorted(self.pages)
+        self.pages.clear()
+        self.failures = self.retry_at = 0
+        return pages
+
+    @property
+    def health(self) -> PoolHealth:
+        if not self.pages:
+            return PoolHealth.HEALTHY
+        return PoolHealth.FAILED if self.failures >= FAILED_AFTER else PoolHealth.DEGRADED
+
+
+@dataclass(slots=True)
+class CapacityCache:
+    """The physical-capacity answer, reused for ``ttl_s`` and dropped by the pool's own
+    maps and unmaps (so only other processes' changes can be stale)."""
+
+    ttl_s: float
+    clock: Callable[[], float] = time.monotonic
+    _cached: tuple[float, int] | None = None  # (when, kv pages)
+
+    def get(self, measure: Callable[[], int]) -> int:
+        """The cached answer while fresh, else ``measure()`` (cached from now)."""
+        now = self.clock()
+        if self._cached is not None and now - self._cached[0] < self.ttl_s:
+            return self._cached[1]
+        pages = measure()
+        self._cached = (now, pages)
+        return pages
+
+    def invalidate(self) -> None:
+        self._cached = None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPolicies:
+    """The policies one `PagePool` is given. Each object holds that pool's state: a set
+    serves exactly one pool (`from_config` builds a fresh one)."""
+
+    reserve: ReservePolicy
+    limit: EngineLimit
+    retry: RetryPolicy
+    quarantine: Quarantine
+    capacity: CapacityCache
+
+    @classmethod
+    def from_config(cls, config: KvcachedConfig, limiter: Limiter | None = None,
+                    sleep: Sleeper = time.sleep) -> PoolPolicies:
+        return cls(ReservePolicy.from_config(config), EngineLimit(limiter), RetryPolicy.from_config(config, sleep),
+                   Quarantine(), CapacityCache(config.capacity_ttl_s))
+
+
+class FailingSpace:
+    """A `KvPageSpace` that refuses maps on purpose, then forwards to ``inner``.
+
+    Site ``map`` of ``faults`` is checked once per page *before* the inner space sees the
+    batch (a fault on the n-th page maps nothing, and a space spanning ranks still gets one
+    request); a deferred map is refused the same way, before it is sent. Everything else
+    is the inner space's.
+    """
+
+    __slots__ = ("faults", "inner")
+
+    def __init__(self, inner: KvPageSpace, faults: FaultInjector) -> None:
+        self.inner = inner
+        self.faults = faults
+
+    def _check(self, kv_pages: Sequence[int]) -> None:
+        for _ in kv_pages:
+            self.faults.check("map")
+
+    @property
+    def num_kv_pages(self) -> int:
+        return self.inner.num_kv_pages
+
+    @property
+    def kv_page_bytes(self) -> int:
+        return self.inner.kv_page_bytes
+
+    @property
+    def vmm_page_bytes(self) -> int:
+        return self.inner.vmm_page_bytes
+
+    @property
+    def round_trips(self) -> int:
+        return self.inner.round_trips
+
+    @property
+    def defers_maps(self) -> bool:
+        return self.inner.defers_maps
+
+    def map_pages(self, kv_pages: Sequence[int]) -> None:
+        if kv_pages:
+            self._check(kv_pages)
+        self.inner.map_pages(kv_pages)
+
+    def map_pages_later(self, kv_pages: Sequence[int]) -> Confirmation:
+        self._check(kv_pages)
+        return self.inner.map_pages_later(kv_pages)
+
+    def unmap_pages(self, kv_pages: Sequence[int], *, strict: bool = True) -> None:
+        self.inner.unmap_pages(kv_pages, strict=strict)
+
+    def still_mapped(self, kv_pages: Sequence[int]) -> list[int]:
+        return self.inner.still_mapped(kv_pages)
+
+    def physical_available(self) -> int:
+        return self.inner.physical_available()
