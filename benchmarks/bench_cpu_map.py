@@ -14,19 +14,19 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime as dt
 import json
 import mmap
 import os
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from conformance.reporting import Paragraph, Report, Section, provenance, saved_environment, table, write_report
 from kvcached import _vmm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,24 +104,28 @@ def measure(cases: dict[str, Callable[[], float]], repeat: int) -> tuple[dict[st
     return {name: statistics.median(v) for name, v in samples.items()}, ratio
 
 
-def versions() -> dict[str, str]:
-    try:
-        from importlib.metadata import version
-
-        kv = version("kvcached")
-    except Exception:  # noqa: BLE001 - an uninstalled checkout still benchmarks
-        kv = "unknown"
-    with open("/proc/cpuinfo") as f:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+def _thp() -> str:
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    return {
-        "kvcached": kv,
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "kernel": platform.release(),
-        "cpu": f"{cpu} ({os.cpu_count()} cores)",
-        "thp": thp.read_text().strip() if thp.exists() else "n/a",
-    }
+    return thp.read_text().strip() if thp.exists() else "n/a"
+
+
+NOTE = ("Touch = one byte written in every 4 KiB of the page, identical numpy code for both sides. The plain floor "
+        "is an un-advised anonymous mapping (4 KiB pages unless the THP mode is `always`); kvcached's memfd slots "
+        "are 4 KiB shmem pages. The MADV_HUGEPAGE floor shows what one 2 MiB fault per page would cost instead.")
+
+
+def build(saved: dict[str, Any]) -> Report:
+    """The report as data, from the saved run (``cpu_map.json``)."""
+    load = saved["load_average_1min"]
+    run = (f"Pages: {saved['pages']} x {saved['page_size_bytes'] >> 20} MiB, median of {saved['repeat']} interleaved "
+           f"runs after one warm-up. 1-minute load average before/after: {load[0]:.2f} / {load[1]:.2f} ({LOAD_NOTE}).")
+    rows = [{"what": name, "us / page": f"{us:.1f}"} for name, us in saved["us_per_page"].items()]
+    rows.append({"what": "ratio (kvcached one page per call / plain floor, median of paired runs)",
+                 "us / page": f"{saved['ratio']:.2f}x"})
+    return Report(subject="CPU backend: map + touch + unmap cost per page",
+                  headline=f"kvcached one page per call / plain floor: **{saved['ratio']:.2f}x** (median of paired runs).",
+                  environment=saved_environment(saved),
+                  body=(Section("Method", (Paragraph(run), Paragraph(NOTE))), Section("Cost per page", (table(rows),))))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,8 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size-mib", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench")
+    ap.add_argument("--render", action="store_true", help="render the report again from cpu_map.json in --out")
     args = ap.parse_args(argv)
+    if args.render:
+        print(write_report(build(json.loads((args.out / "cpu_map.json").read_text())), args.out, "cpu_map"))
+        return 0
     ps = args.page_size_mib << 20
+    command = ["python", os.path.relpath(__file__, ROOT), *(argv if argv is not None else sys.argv[1:])]
+    environment = provenance(command, {"numpy": np.__version__, "thp": _thp()})
 
     vrange = _vmm.VirtualRange("cpu", args.pages * ps, ps)
     n = args.pages
@@ -147,46 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     rows, ratio = measure(cases, args.repeat)
     load_after = os.getloadavg()[0]
     vrange.close()
-
-    command = "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv if argv is not None else sys.argv[1:])])
-    meta = {
-        "command": command.strip(),
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "pages": args.pages,
-        "page_size_bytes": ps,
-        "repeat": args.repeat,
-        "versions": versions(),
-        "load_average_1min": [round(load_before, 2), round(load_after, 2)],
-    }
-    width = max(map(len, rows))
-    for name, us in rows.items():
-        print(f"{name:<{width}}  {us:9.1f} us/page")
-    print(f"{'ratio (first row / second row, paired median)':<{width}}  {ratio:9.2f}x")
-
+    saved = {"environment": environment.as_dict(), "pages": args.pages, "page_size_bytes": ps, "repeat": args.repeat,
+             "load_average_1min": [round(load_before, 2), round(load_after, 2)], "us_per_page": rows, "ratio": ratio}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cpu_map.json").write_text(json.dumps({**meta, "us_per_page": rows, "ratio": ratio}, indent=2) + "\n")
-    lines = [
-        "# CPU backend: map + touch + unmap cost per page",
-        "",
-        f"Command: `{meta['command']}`  ",
-        f"Date: {meta['date']}  ",
-        f"Pages: {args.pages} x {args.page_size_mib} MiB, median of {args.repeat} interleaved runs after one warm-up  ",
-        "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + "  ",
-        f"1-minute load average before/after: {load_before:.2f} / {load_after:.2f} ({LOAD_NOTE})",
-        "",
-        "Touch = one byte written in every 4 KiB of the page, identical numpy code for both sides.",
-        "The plain floor is an un-advised anonymous mapping (4 KiB pages unless the THP mode is",
-        "`always`); kvcached's memfd slots are 4 KiB shmem pages. The MADV_HUGEPAGE floor shows",
-        "what one 2 MiB fault per page would cost instead.",
-        "",
-        "| what | us / page |",
-        "| --- | ---: |",
-        *(f"| {name} | {us:.1f} |" for name, us in rows.items()),
-        f"| **ratio** (kvcached one page per call / plain floor, median of paired runs) | **{ratio:.2f}x** |",
-        "",
-    ]
-    (args.out / "cpu_map.md").write_text("\n".join(lines))
-    print(f"wrote {args.out / 'cpu_map.md'}")
+    (args.out / "cpu_map.json").write_text(json.dumps(saved, indent=2) + "\n")
+    print(write_report(build(saved), args.out, "cpu_map").read_text())
     return 0
 
 

@@ -31,11 +31,9 @@ main thread checks they are exactly the pages holding a held (live, cached or pi
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import itertools
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -46,10 +44,12 @@ from pathlib import Path
 from typing import Any
 
 from conformance.engine_env import without_kvcached
+from conformance.reporting import Image, Paragraph, Report, Section, provenance, saved_environment, table, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 TARGET_S = 1.0
+FIGURE = "elasticity.png"
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
        "VLLM_NO_USAGE_STATS": "1", "VLLM_USE_V2_MODEL_RUNNER": "0", "PYTHONHASHSEED": "0",
        "VLLM_CPU_OMP_THREADS_BIND": "0"}  # one OpenMP thread: leave the other core to the machine
@@ -241,15 +241,6 @@ def summarize(run: dict[str, Any], native_bytes: int) -> dict[str, Any]:
     return out
 
 
-def _versions() -> dict[str, str]:
-    from importlib.metadata import version
-
-    import kvcached
-
-    return {"vllm-cpu": version("vllm-cpu"), "torch": version("torch"), "kvcached": kvcached.__version__,
-            "python": platform.python_version()}
-
-
 def plot(result: dict[str, Any], path: Path) -> None:
     """Two panels (kvcached, kvcached-cap): native reservation and mapped MiB on the left axis,
     reserved-idle KiB and its watermark on the right one; bursts shaded."""
@@ -296,38 +287,40 @@ def _fmt_s(x: float | None) -> str:
     return "not within the window" if x is None else f"{x:.3f} s"
 
 
-def render(result: dict[str, Any]) -> str:
+def _side_row(result: dict[str, Any], side: str) -> dict[str, object]:
+    run, s = result["sides"][side], result["summary"][side]
+    w1, w2 = s["windows"]
+    ret = settle = res = "- (constant)"
+    if run["elastic"]:
+        ret = f"{_fmt_s(w1['return_s'])} / {_fmt_s(w2['return_s'])}"
+        settle = f"{w1['settle_s']:.3f} s / {w2['settle_s']:.3f} s"
+        res = f"{s['max_reserved_idle_bytes'] // 1024} ({s['watermark_bytes'] // 1024})"
+    return {"side": side, "max cached blocks": "-" if run["config"] is None else str(run["config"]["max_cached_blocks"]),
+            "peak MiB": f"{s['peak_bytes'] / MiB:.2f}",
+            "idle MiB (after burst 1 / 2)": f"{w1['idle_bytes'] / MiB:.2f} / {w2['idle_bytes'] / MiB:.2f}",
+            "idle / native": f"{w1['idle_ratio']:.3f} / {w2['idle_ratio']:.3f}",
+            "return to watermark (after burst 1 / 2)": ret, "mapped settled (after burst 1 / 2)": settle,
+            "max reserved-idle KiB": res, "burst 2 prefix hits: tokens (blocks)": f"{w2['hit_tokens']} ({w2['hit_blocks']})",
+            "cached blocks at idle end (1 / 2)": f"{w1['cached_blocks_at_idle_end']} / {w2['cached_blocks_at_idle_end']}"}
+
+
+def build(result: dict[str, Any]) -> Report:
+    """The report as data, from the saved run (``elasticity.json``); the figure is drawn beside it."""
+    setup = (f"Tiny llama (block {result['block_size']}), one in-process engine per side, "
+             f"`kv_cache_memory_bytes` {result['kv_bytes'] // MiB} MiB = {result['num_blocks']} blocks; "
+             f"{result['requests']} requests per burst (prompts 200-400 tokens, 32-64 output tokens); burst 2's "
+             f"prompts share a 50-100% prefix with burst 1's; idle {result['idle_s']} s after each burst; "
+             f"`KVCACHED_PAGE_SIZE` {result['page_size']} bytes; samples every {result['period_ms']} ms.")
     native = result["sides"]["native"]["native_bytes"]
-    lines = [
-        "# Elasticity: physical KV bytes across burst, idle, burst, idle", "",
-        f"`{result['command']}` on {result['date']}; {result['versions']}; {result['machine']}.", "",
-        (f"Tiny llama (block {result['block_size']}), one in-process engine per side, "
-         f"`kv_cache_memory_bytes` {result['kv_bytes'] // MiB} MiB = {result['num_blocks']} blocks; "
-         f"{result['requests']} requests per burst (prompts 200-400 tokens, 32-64 output tokens); burst 2's "
-         f"prompts share a 50-100% prefix with burst 1's; idle {result['idle_s']} s after each burst; "
-         f"`KVCACHED_PAGE_SIZE` {result['page_size']} bytes; samples every {result['period_ms']} ms."), "",
-        "![timeline](elasticity.png)", "",
-        ("| side | max cached blocks | peak MiB | idle MiB (after burst 1 / 2) | idle / native | "
-         "return to watermark (after burst 1 / 2) | mapped settled (after burst 1 / 2) | max reserved-idle KiB | "
-         "burst 2 prefix hits: tokens (blocks) | cached blocks at idle end (1 / 2) |"),
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for side in SIDES:
-        run, s = result["sides"][side], result["summary"][side]
-        w1, w2 = s["windows"]
-        cap = "-" if run["config"] is None else str(run["config"]["max_cached_blocks"])
-        ret = settle = res = "- (constant)"
-        if run["elastic"]:
-            ret = f"{_fmt_s(w1['return_s'])} / {_fmt_s(w2['return_s'])}"
-            settle = f"{w1['settle_s']:.3f} s / {w2['settle_s']:.3f} s"
-            res = f"{s['max_reserved_idle_bytes'] // 1024} ({s['watermark_bytes'] // 1024})"
-        lines.append(
-            f"| {side} | {cap} | {s['peak_bytes'] / MiB:.2f} | {w1['idle_bytes'] / MiB:.2f} / "
-            f"{w2['idle_bytes'] / MiB:.2f} | {w1['idle_ratio']:.3f} / {w2['idle_ratio']:.3f} | {ret} | {settle} | {res} | "
-            f"{w2['hit_tokens']} ({w2['hit_blocks']}) | {w1['cached_blocks_at_idle_end']} / "
-            f"{w2['cached_blocks_at_idle_end']} |")
-    lines += ["", *notes(result, native)]
-    return "\n".join(lines) + "\n"
+    idle = {side: result["summary"][side]["windows"][1]["idle_ratio"] for side in SIDES[1:]}
+    body = (Section("Setup", (Paragraph(setup),)),
+            Section("Timeline", (Image(FIGURE, "physical KV bytes over time"),)),
+            Section("Per side", (table(_side_row(result, side) for side in SIDES),)),
+            Section("How each figure is read", tuple(Paragraph(n) for n in notes(result, native))))
+    return Report(subject="Elasticity: physical KV bytes across burst, idle, burst, idle",
+                  headline="Idle KV footprint after burst 2, of native's: "
+                           + ", ".join(f"{side} {ratio:.3f}x" for side, ratio in idle.items()) + ".",
+                  environment=saved_environment(result), body=body)
 
 
 def notes(result: dict[str, Any], native: int) -> list[str]:
@@ -339,10 +332,8 @@ def notes(result: dict[str, Any], native: int) -> list[str]:
          "of `llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config`; the worker's `kv_caches` "
          f"storages hold {tensors} bytes. Allocated at start-up and held until shutdown, so the native line "
          "is this constant."),
-        "",
         ("**kvcached bytes**: `kvcached.stats()` summed over pools, sampled by a thread of the engine's "
          "process. Idle MiB: the last sample of the idle window; idle / native: that over the native bytes."),
-        "",
         ("**Return to watermark**: from `generate` returning to the first sample from which on, to the end "
          f"of the idle window, `reserved_idle_bytes <= max_reserve_pages * kv_page_bytes` (max_reserve_pages "
          f"= {cfg['max_reserve_pages']}); the remaining mapped bytes (`mapped_bytes - reserved_idle_bytes`) "
@@ -351,22 +342,25 @@ def notes(result: dict[str, Any], native: int) -> list[str]:
          f"{'held in every window' if all(checks) else 'FAILED in some window (see json)'}. "
          f"Resolution: one sample period. Target: <= {TARGET_S:.0f} s. A vLLM engine runs no step while "
          "idle, so whatever the reserve holds after the last step stays until the next request."),
-        "",
         ("**Mapped settled**: from `generate` returning to the sample from which on the mapped bytes stay at "
          "their value at the end of the window (0: unchanged since `generate` returned: the pages went back "
          "during the last steps). **Max reserved-idle**: over the whole run, the watermark in parentheses."),
-        "",
         (f"**Cap**: `KVCACHED_MAX_CACHED_BLOCKS` = {result['cap']} = {result['cap_fraction']:g} x the pool's "
          f"{result['num_blocks']} blocks (read from the native engine's block pool; every side built the same "
-         "pool). Burst durations differ between sides: the 2-core machine is shared and burst 1 includes "
-         "first-call warm-up; the bytes do not depend on it."),
-        "",
+         "pool). Burst durations differ between sides: the machine is shared with other work (its cores: "
+         "the Environment) and burst 1 includes first-call warm-up; the bytes do not depend on it."),
         ("**Prefix hits**: the sum of `RequestOutput.num_cached_tokens` over burst 2 (blocks: per request, "
          "tokens // block size). Cached blocks: free blocks that keep a block hash, counted on the pool at "
          "the end of each idle window. The cap trades idle footprint for hits: capped blocks are evicted "
          "when they are freed, so burst 2 finds fewer of burst 1's prefixes."),
-        "",
     ]
+
+
+def render(out: Path) -> Path:
+    """The figure and the report in ``out`` from its ``elasticity.json``; returns the Markdown file."""
+    result = json.loads((out / "elasticity.json").read_text())
+    plot(result, out / FIGURE)
+    return write_report(build(result), out, "elasticity")
 
 
 def main() -> int:
@@ -382,8 +376,14 @@ def main() -> int:
     ap.add_argument("--kv-mib", type=int, default=64, help="kv_cache_memory_bytes, MiB")
     ap.add_argument("--cap-fraction", type=float, default=0.1)
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench")
+    ap.add_argument("--render", action="store_true", help="render the report again from elasticity.json in --out")
     args = ap.parse_args()
+    if args.render:
+        print(render(args.out))
+        return 0
     from conformance.progress import RunProgress
+
+    environment = provenance(["python", "benchmarks/bench_elasticity.py", *sys.argv[1:]])
 
     spec = {"requests": args.requests, "idle_s": args.idle_s, "pre_s": args.pre_s,
             "period_s": args.period_ms / 1000, "kv_bytes": args.kv_mib * MiB}
@@ -400,9 +400,7 @@ def main() -> int:
     if len({s["num_blocks"] for s in sides.values()}) != 1:
         raise SystemExit(f"the sides built different pools: {[s['num_blocks'] for s in sides.values()]}")
     result = {
-        "command": " ".join(["python", "benchmarks/bench_elasticity.py", *sys.argv[1:]]),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "versions": _versions(),
-        "machine": f"{os.cpu_count()} cores, {platform.machine()}, shared", "requests": args.requests,
+        "environment": environment.as_dict(), "requests": args.requests,
         "idle_s": args.idle_s, "pre_s": args.pre_s, "period_ms": args.period_ms, "page_size": args.page_size, "kv_bytes": spec["kv_bytes"],
         "num_blocks": sides["native"]["num_blocks"], "block_size": sides["native"]["block_size"],
         "cap": cap, "cap_fraction": args.cap_fraction, "target_return_s": TARGET_S,
@@ -410,10 +408,7 @@ def main() -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "elasticity.json").write_text(json.dumps(result) + "\n")
-    plot(result, args.out / "elasticity.png")
-    text = render(result)
-    (args.out / "elasticity.md").write_text(text)
-    print(text)
+    print(render(args.out).read_text())
     return 0
 
 

