@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import heapq
 import threading
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -70,7 +70,7 @@ from kvcached.policies import (
 
 __all__ = [
     "FAILED_AFTER", "MAX_RETRY_STEPS", "Charger", "Confirmation", "KvPageSpace", "Limiter", "PagePool",
-    "PageSpace", "PoolCounters", "PoolHealth", "Range",
+    "PageSpace", "PendingRefills", "PoolCounters", "PoolHealth", "Range", "Settled",
 ]
 
 
@@ -383,6 +383,54 @@ class LowestUnmapped:
                 heapq.heappush(self.heap, page)
 
 
+class PendingRefills:
+    """Refills sent without waiting (a space that defers maps): kv page -> its `Confirmation`.
+
+    Invariants: a pending page is neither in the pool's mapped set nor handed out; the
+    pages of one confirmation leave together, when it is settled, exactly once.
+    """
+
+    __slots__ = ("_by_page",)
+
+    def __init__(self) -> None:
+        self._by_page: dict[int, Confirmation] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_page)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._by_page)
+
+    def __contains__(self, page: object) -> bool:
+        return page in self._by_page
+
+    def add(self, pages: Sequence[int], confirmation: Confirmation) -> None:
+        for page in pages:
+            self._by_page[page] = confirmation
+
+    def waits_for(self, pages: Iterable[int]) -> set[int]:
+        """Those of ``pages`` in a refill whose replies are not in yet."""
+        by_page = self._by_page
+        if not by_page:  # the common case (every local space): no set to build
+            return set()
+        return {p for p in pages if p in by_page and not by_page[p].done()}
+
+    def take(self, wait: bool, pages: Iterable[int] | None = None) -> Iterator[tuple[Confirmation, list[int]]]:
+        """Remove and yield the refills to settle, with their pages: those whose replies
+        are in and, with ``wait``, those holding any of ``pages`` (default: all). Whether
+        replies are in is asked as each comes up, so one that arrives while the caller
+        waits for an earlier one is settled in the same pass."""
+        wanted = set(self._by_page) if pages is None else set(pages)
+        batches: dict[int, tuple[Confirmation, list[int]]] = {}
+        for page, conf in self._by_page.items():
+            batches.setdefault(id(conf), (conf, []))[1].append(page)
+        for conf, batch in batches.values():
+            if conf.done() or (wait and wanted.intersection(batch)):
+                for page in batch:
+                    del self._by_page[page]
+                yield conf, batch
+
+
 class PagePool:
     """The mapped set of one `KvPageSpace`, under the policies it is given and a step fence.
 
@@ -415,7 +463,7 @@ class PagePool:
         self._lock = threading.RLock()
         self.in_use: set[int] = set()
         self.reserve: dict[int, int] = {}  # kv page -> fence ticket of its release
-        self.pending: dict[int, Confirmation] = {}  # kv page -> its refill in flight
+        self.pending = PendingRefills()
         self._mapped: set[int] = set()  # == in_use | reserve | quarantined, kept as it changes
         self._unmapped = LowestUnmapped(space.num_kv_pages)
         self._tally = PoolTally()
@@ -430,10 +478,6 @@ class PagePool:
     def limit_pages(self) -> int | None:
         """The limiter's last answer (None: no limit)."""
         return self.policies.limit.pages
-
-    @property
-    def pace(self) -> int:
-        return self.policies.reserve.pace
 
     @property
     def quarantined(self) -> set[int]:
@@ -551,31 +595,17 @@ class PagePool:
         """
         if not self.pending:
             return
-        wanted = set(self.pending) if pages is None else set(pages)
-        batches: dict[int, tuple[Confirmation, list[int]]] = {}
-        for page, conf in self.pending.items():
-            batches.setdefault(id(conf), (conf, []))[1].append(page)
-        for conf, pages_ in batches.values():
-            if not (conf.done() or (wait and wanted.intersection(pages_))):
-                continue
-            for page in pages_:
-                del self.pending[page]
+        for conf, batch in self.pending.take(wait, pages):
             try:
                 conf.result()
             except BackendError:  # refused on some rank: undone on every rank (the protocol)
                 self._tally.map_failures += 1
                 self.policies.capacity.invalidate()
                 continue
-            self._tally.maps += len(pages_)
-            for page in pages_:
+            self._tally.maps += len(batch)
+            for page in batch:
                 self.reserve[page] = 0
-            self._mapped_now(pages_)
-
-    def _waits_for(self, pages: Iterable[int]) -> set[int]:
-        """Those of ``pages`` in a refill whose replies are not in yet."""
-        if not self.pending:
-            return set()
-        return {p for p in pages if p in self.pending and not self.pending[p].done()}
+            self._mapped_now(batch)
 
     def _refill_later(self, pages: list[int]) -> bool:
         """Send a refill without waiting (spaces that defer maps only); False if nothing
@@ -590,8 +620,7 @@ class PagePool:
         if confirmation.done():
             self._tally.blocking_maps += len(pages)  # it ran inline, on the caller's path (in-process worker)
         self.policies.capacity.invalidate()
-        for page in pages:
-            self.pending[page] = confirmation
+        self.pending.add(pages, confirmation)
         return True
 
     def _unmap(self, pages: list[int]) -> None:
@@ -650,7 +679,7 @@ class PagePool:
         """
         with self._lock:
             wanted = sorted(set(pages))
-            waited = self._waits_for(wanted)
+            waited = self.pending.waits_for(wanted)
             # A refill this take needs is waited for; every other one only if its replies are in.
             self._confirm(wait=True, pages=wanted)
             for page in wanted:
@@ -712,14 +741,14 @@ class PagePool:
                         except BackendError:
                             break
                         mapped += 1
-            self._tally.blocking_maps += len(self._waits_for(in_flight)) + mapped
+            self._tally.blocking_maps += len(self.pending.waits_for(in_flight)) + mapped
             self._confirm(wait=True, pages=in_flight)
             return mapped
 
     def reserve_shortfall(self) -> int:
         """Pages the reserve lacks to reach its target (refills in flight count as there)."""
         with self._lock:
-            return min(self._room(), max(0, self.reserve_target() - len(self.reserve) - len(self.pending)))
+            return min(self._room(), max(0, self.policies.reserve.target() - len(self.reserve) - len(self.pending)))
 
     def release(self, pages: Iterable[int]) -> None:
         """Pages with no held block go back to the reserve, ticketed by the fence."""
@@ -744,21 +773,20 @@ class PagePool:
             self.policies.quarantine.end_step()
             self._retry_quarantine()
             self._poll_limit()
-            return self._unmap_ready(self._under_limit(self.policies.reserve.max_pages), publish=True)
+            return self._unmap_ready(self.policies.reserve.max_pages, limited=True)
 
     def shed(self) -> int:
         """Unmap the reserve pages (those the fence allows) the pool is over its limit by."""
         with self._lock:
             self._confirm(wait=False)
-            return self._unmap_ready(self._under_limit(len(self.reserve)), publish=True)
+            return self._unmap_ready(len(self.reserve), limited=True)
 
-    def _under_limit(self, keep: int) -> int:
-        """At most ``keep`` reserve pages, fewer while the pool is over its limit."""
-        return self.policies.limit.keep(keep, reserve=len(self.reserve), mapped=self._in_flight_mapped())
-
-    def _unmap_ready(self, keep: int, publish: bool = False) -> int:
-        """Unmap reserve pages above ``keep`` whose ticket passed; ``publish``: tell the
-        limiter what is left at once (the engine may go idle right after)."""
+    def _unmap_ready(self, keep: int, *, limited: bool = False) -> int:
+        """Unmap reserve pages above ``keep`` whose ticket passed. ``limited``: keep fewer
+        while the pool is over its limit, and tell the limiter what is left at once (the
+        engine may go idle right after)."""
+        if limited:
+            keep = self.policies.limit.keep(keep, reserve=len(self.reserve), mapped=self._in_flight_mapped())
         excess = len(self.reserve) - keep
         if excess <= 0:
             return 0
@@ -767,7 +795,7 @@ class PagePool:
         ready = sorted((p for p, t in self.reserve.items() if self.fence.passed(t)), reverse=True)
         victims = ready[:excess]
         self._unmap(victims)
-        if victims and publish:
+        if victims and limited:
             self._poll_limit()
         return len(victims)
 
@@ -786,10 +814,6 @@ class PagePool:
             self.in_use.clear()
             self._unmap(sorted(self.reserve))
             self._retry_quarantine(now=True)  # what still fails now goes with the ranges' own close
-
-    def reserve_target(self) -> int:
-        """Pages the reserve refills to: the pace, within the watermarks."""
-        return self.policies.reserve.target()
 
     def _top_up(self) -> None:
         need = self.reserve_shortfall()

@@ -18,7 +18,7 @@ from kvcached.budget import LocalBudget
 from kvcached.config import KvcachedConfig
 from kvcached.errors import ConfigError, DriverError, InjectedFault, PhysicalMemoryExhausted
 from kvcached.faults import FaultInjector
-from kvcached.pages import KvPageSpace, PagePool, PageSpace, Settled
+from kvcached.pages import KvPageSpace, PagePool, PageSpace, PendingRefills, Settled
 from kvcached.policies import (
     FAILED_AFTER,
     MAX_RETRY_STEPS,
@@ -272,4 +272,36 @@ def test_a_refused_deferred_refill_is_a_map_failure_with_nothing_pending() -> No
     pool = PagePool(space, config, faults=faults)
     pool.adopt([0])
     pool.acquire([0])  # the top-up is a deferred refill of page 1: refused on purpose
-    assert channel.sent == [] and pool.pending == {} and pool.counters().map_failures == 1
+    assert channel.sent == [] and not pool.pending and pool.counters().map_failures == 1
+
+
+class Reply:
+    """A `Confirmation` whose replies arrive when the test says (or when another's
+    ``result`` is waited for: ``then`` arrives with it)."""
+
+    def __init__(self, then: Reply | None = None) -> None:
+        self.arrived = False
+        self.then = then
+
+    def done(self) -> bool:
+        return self.arrived
+
+    def result(self) -> None:
+        self.arrived = True
+        if self.then is not None:
+            self.then.arrived = True
+
+
+def test_pending_refills_settle_what_arrived_and_what_is_waited_for() -> None:
+    later = Reply()
+    first = Reply(then=later)
+    pending = PendingRefills()
+    pending.add([4, 5], first)
+    pending.add([7], later)
+    assert pending.waits_for([5, 6, 7]) == {5, 7} and 6 not in pending and len(pending) == 3
+    assert list(pending.take(wait=False)) == [], "no replies in: nothing settled, nothing waited for"
+    settled = []
+    for conf, batch in pending.take(wait=True, pages=[4]):
+        conf.result()  # waiting for the first brings the second's replies too
+        settled.append(batch)
+    assert settled == [[4, 5], [7]] and not pending

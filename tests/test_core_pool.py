@@ -237,18 +237,18 @@ def test_reserve_keeps_the_pace_of_recent_steps_within_the_watermarks():
     of several pages a step finds them mapped; idle steps decay the pace back to min."""
     pool, _, _ = make_pool(num_pages=16, min_reserve_pages=1, max_reserve_pages=4)
     pool.acquire([0, 1, 2])
-    assert pool.reserve_target() == 1 and len(pool.reserve) == 1
+    assert pool.policies.reserve.target() == 1 and len(pool.reserve) == 1
     pool.collect()  # end of the step: it took 3 pages
-    assert pool.pace == 3 and pool.reserve_target() == 3
+    assert pool.policies.reserve.pace == 3 and pool.policies.reserve.target() == 3
     (page,) = pool.reserve
     pool.acquire([page])
     assert len(pool.reserve) == 3, "refilled to the pace"
     for expected in (2, 1, 1):  # steps without takes: the pace decays by one a step
         pool.collect()
-        assert pool.reserve_target() == max(1, expected)
+        assert pool.policies.reserve.target() == max(1, expected)
     pool.acquire([9, 10, 11, 12, 13, 14])
     pool.collect()
-    assert pool.pace == 6 and pool.reserve_target() == 4, "never above the max watermark"
+    assert pool.policies.reserve.pace == 6 and pool.policies.reserve.target() == 4, "never above the max watermark"
 
 
 @pytest.mark.parametrize("var", ["KVCACHED_CAPACITY_TTL_MS", "KVCACHED_RETRY_BACKOFF_MS"])
