@@ -1,4 +1,4 @@
-"""StepFence: when may a page whose blocks are all free be unmapped?
+"""StepFence and EngineStepFence: when may a page whose blocks are all free be unmapped?
 
 The scheduler hands block ids to steps that run later (one step ahead under async
 scheduling; copy-on-write retentions are released right after scheduling, before the
@@ -10,6 +10,10 @@ Invariant: ``executed <= scheduled``; ``passed(t)`` is monotone in time for a fi
 Every ``begin_step`` must eventually be matched by one ``end_step`` (vLLM's engine core
 calls ``update_from_output`` once for every ``schedule`` in both its sync and batch-queue
 loops). When nothing is in flight (``executed == scheduled``) every ticket has passed.
+
+`EngineStepFence` adds what an engine knows about its steps: a step marked as touching no
+KV memory holds no ticket. Engine-agnostic policy (no engine is imported here); the vLLM
+adapter builds every elastic pool's fence from it and marks vLLM's empty steps.
 """
 
 from __future__ import annotations
@@ -54,3 +58,46 @@ class StepFence:
     def in_flight(self) -> int:
         with self._lock:
             return self.scheduled - self.executed
+
+
+class EngineStepFence(StepFence):
+    """A `StepFence` that knows which in-flight steps cannot touch KV memory.
+
+    An engine that schedules one step ahead (vLLM's batch-queue loop under async
+    scheduling) may schedule a step with no work (every running request is already
+    scheduled) and then stop stepping once no request is unfinished: that empty step stays
+    queued, unexecuted, until the next request arrives. A page released meanwhile would be
+    ticketed for it and stay mapped for as long as the engine idles. A step that schedules
+    no tokens, no copies, no zeroing and no connector work reads and writes no block, so
+    the engine's adapter marks it (`mark_kv_free`) and `ticket` skips such steps: it is the
+    newest in-flight step that may touch KV, or the last executed one if none may.
+
+    Invariant: every step in ``_kv_free`` is in flight (``executed < step <= scheduled``).
+    A step is marked only after it was scheduled, so anything released while it was being
+    scheduled already holds its ticket (conservative).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._kv_free: set[int] = set()
+
+    def mark_kv_free(self, step: int) -> None:
+        """Step ``step`` (scheduled, not yet executed) reads and writes no KV block."""
+        with self._lock:
+            if not self.executed < step <= self.scheduled:
+                raise InvariantError(
+                    f"step {step} is not in flight (scheduled={self.scheduled}, executed={self.executed})"
+                )
+            self._kv_free.add(step)
+
+    def end_step(self) -> None:
+        super().end_step()
+        with self._lock:
+            self._kv_free.discard(self.executed)
+
+    def ticket(self) -> int:
+        with self._lock:
+            step = self.scheduled
+            while step > self.executed and step in self._kv_free:
+                step -= 1
+            return step

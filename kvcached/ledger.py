@@ -188,27 +188,6 @@ class BlockLedger:
         mapped = [p for bucket in reversed(self._open) for p in sorted(bucket)]
         return mapped + list(self._unmapped_pages())
 
-    def _best_mapped_block(self) -> int:
-        """The best free block on a mapped page, or -1 if no mapped page has one: the lowest
-        free block of the lowest page in the fullest bucket, read off the tops of their heaps
-        without popping (only stale entries on top are dropped). The fullest bucket is kept
-        in ``_top`` (raised in `_open_add`, looked up among the non-empty ones once it
-        empties)."""
-        top = self._top
-        if not self._open[top]:
-            top = self._top = max(self._levels, default=0)
-        members = self._open[top]
-        if not members:
-            return -1
-        heap = self._open_heap[top]
-        while heap[0] not in members:
-            heapq.heappop(heap)
-        page = heap[0]
-        blocks, free = self._free_heap[page], self._free_per_page[page]
-        while blocks[0] not in free:
-            heapq.heappop(blocks)
-        return blocks[0]
-
     def choose(self, n: int, among: Collection[int] | None = None) -> list[int]:
         """The ``n`` best free blocks (restricted to ``among`` if given); no state change.
 
@@ -221,10 +200,6 @@ class BlockLedger:
         chosen: list[int] = []
         if n == 0:
             return chosen
-        if n == 1 and among is None:
-            b = self._best_mapped_block()
-            if b >= 0:
-                return [b]
         for held in sorted(self._levels, reverse=True):  # the non-empty buckets, fullest first
             self._choose_in(held, n, among, chosen)
             if len(chosen) == n:
@@ -240,13 +215,8 @@ class BlockLedger:
         """Hold ``n`` page-aware chosen free blocks; all-or-nothing."""
         if n > self.num_free:
             raise InvariantError(f"allocate({n}) with {self.num_free} free blocks")
-        if n == 1:
-            b = self._best_mapped_block()  # a decode step's new block: no list, no batch
-            if b >= 0:
-                self._hold_one(b, wait)
-                return [b]
-        elif n <= self.backed_free:
-            return self._take_mapped(n, wait)  # an admission's blocks: no map
+        if n <= self.backed_free:
+            return self._take_mapped(n, wait)  # an admission's blocks, a decode step's block: no map
         blocks = self.choose(n)
         self.hold(blocks, wait=wait)
         return blocks
@@ -268,16 +238,18 @@ class BlockLedger:
         if empty:
             self.pool.acquire(empty, wait=wait)  # raises with nothing changed
         chosen: list[int] = []
-        for held in sorted(self._levels, reverse=True):  # the non-empty buckets, fullest first
-            if held == 0:
-                break
-            members, heap = self._open[held], self._open_heap[held]
-            while members and len(chosen) < n:
-                page = heapq.heappop(heap)
-                if page in members:  # else stale, or a duplicate of a page taken from
-                    self._take_from(page, held, n, chosen)
-            if len(chosen) == n:
-                break
+        top = self._top
+        if not self._open[top]:
+            top = self._top = max(self._levels, default=0)
+        # The fullest bucket alone usually serves the call (always a decode step's one
+        # block), so the others are sorted only when it does not; pages taken from have
+        # moved above ``top``, so the buckets below it are those of the start.
+        self._take_bucket(top, n, chosen)
+        if len(chosen) < n:
+            for held in sorted((h for h in self._levels if h < top), reverse=True):
+                self._take_bucket(held, n, chosen)
+                if len(chosen) == n:
+                    break
         for page in empty:
             self._take_from(page, 0, n, chosen)
         if len(chosen) != n:  # the counts promised n: a broken bucket or heap, before any caller sees it
@@ -285,6 +257,17 @@ class BlockLedger:
         self.num_held += n
         self.backed_free -= n
         return chosen
+
+    def _take_bucket(self, held: int, n: int, chosen: list[int]) -> None:
+        """Hold free blocks towards ``n`` from the pages in use holding ``held`` blocks,
+        lowest page first (bucket 0, the unused mapped pages, is `_take_mapped`'s own)."""
+        if held == 0:
+            return
+        members, heap = self._open[held], self._open_heap[held]
+        while members and len(chosen) < n:
+            page = heapq.heappop(heap)
+            if page in members:  # else stale, or a duplicate of a page taken from
+                self._take_from(page, held, n, chosen)
 
     def _take_from(self, page: int, held: int, n: int, chosen: list[int]) -> None:
         """Hold the lowest free blocks of ``page`` (open, holding ``held``) towards ``n``."""
@@ -333,11 +316,8 @@ class BlockLedger:
 
     def hold(self, block_ids: Sequence[int], *, wait: bool = False) -> None:
         """Mark free blocks held, mapping the pages they need first (all-or-nothing)."""
-        if len(block_ids) == 1:
-            self._hold_one(block_ids[0], wait)
-            return
         ids = list(block_ids)
-        if len(ids) > 1 and len(set(ids)) != len(ids):
+        if len(set(ids)) != len(ids):
             raise InvariantError(f"hold(): duplicate block ids in {ids}")
         bpp, held_of, is_held = self.blocks_per_page, self._held_per_page, self._held
         new_pages: set[int] = set()
@@ -362,52 +342,6 @@ class BlockLedger:
         self.num_held += len(ids)
         self.backed_free -= len(ids)
 
-    def _hold_one(self, b: int, wait: bool) -> None:
-        """`hold` of one block (a decode step's new block): the same steps, without batching."""
-        if not 0 <= b < self.num_blocks or self._held[b]:
-            raise InvariantError(f"hold(): block {b} is out of range or already held")
-        page = b // self.blocks_per_page
-        held = self._held_per_page[page]
-        if held == 0:
-            self.pool.acquire((page,), wait=wait)  # raises with nothing changed
-        free = self._free_per_page[page]
-        self._open_remove(held, page)
-        self._held[b] = 1
-        free.discard(b)
-        heap = self._free_heap[page]
-        if heap[0] == b:
-            heapq.heappop(heap)  # the usual case: the block just chosen
-        self._held_per_page[page] = held + 1
-        if free:
-            self._open_add(held + 1, page)
-        self.num_held += 1
-        self.backed_free -= 1
-
-    def _release_one(self, b: int) -> list[int]:
-        """`release` of one block."""
-        if not 0 <= b < self.num_blocks or not self._held[b]:
-            raise InvariantError(f"release(): block {b} is out of range or not held")
-        page = b // self.blocks_per_page
-        held = self._held_per_page[page]
-        free = self._free_per_page[page]
-        if free:
-            self._open_remove(held, page)
-        self._held[b] = 0
-        free.add(b)
-        heap = self._free_heap[page]
-        if len(heap) + 1 > 2 * len(free) + _FREE_HEAP_SLACK:  # `_free_pushed` of one block, inline
-            heap[:] = sorted(free)
-        else:
-            heapq.heappush(heap, b)
-        self._held_per_page[page] = held - 1
-        self._open_add(held - 1, page)
-        self.num_held -= 1
-        self.backed_free += 1
-        if held == 1:
-            self.pool.release((page,))
-            return [page]
-        return []
-
     def _free_pushed(self, page: int, blocks: Sequence[int]) -> None:
         """``blocks`` of ``page`` became free: onto its heap (rebuilt once mostly stale)."""
         heap = self._free_heap[page]
@@ -420,7 +354,7 @@ class BlockLedger:
     def _by_page(self, ids: list[int]) -> dict[int, list[int]]:
         """``ids`` grouped by page, pages in first-seen order (one bucket move per page)."""
         bpp = self.blocks_per_page
-        if len(ids) == 1:
+        if len(ids) == 1:  # a decode step's block: no grouping needed
             return {ids[0] // bpp: ids}
         groups: dict[int, list[int]] = {}
         for b in ids:
@@ -434,8 +368,6 @@ class BlockLedger:
         and the reserve policy let the pool unmap them).
         """
         ids = list(block_ids)
-        if len(ids) == 1:
-            return self._release_one(ids[0])
         held_of, is_held = self._held_per_page, self._held
         # One pass checks and frees; a bad id undoes it (a duplicate is a block no longer
         # held when it comes again).

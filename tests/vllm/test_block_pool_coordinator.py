@@ -152,9 +152,9 @@ def test_another_coordinator_gets_a_native_pool(published) -> None:
 
 
 def test_the_decode_path_skips_admission_exactly_when_admit_running_says_so(published) -> None:
-    """The exhaustion seam runs `ElasticBlockPool.admit_running`'s test inline: on the real
-    manager and pool, a running request's call goes without admission work exactly when the
-    method, asked on the same state just before, says it may."""
+    """The exhaustion seam asks `ElasticBlockPool.admit_running`, the one definition of the
+    decode path's gate: on the real manager and pool, a running request's call goes without
+    admission work exactly when the method, asked on the same state just before, says it may."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_manager import KVCacheManager

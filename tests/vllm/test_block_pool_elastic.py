@@ -18,7 +18,7 @@ from kvcached.config import KvcachedConfig
 from kvcached.errors import InvariantError, PhysicalMemoryExhausted
 from kvcached.faults import FaultInjector
 from kvcached.fence import StepFence
-from kvcached.integration.vllm.block_pool import ElasticBlockPool, EngineStepFence
+from kvcached.integration.vllm.block_pool import ElasticBlockPool
 from kvcached.space import KvSpace, plan_geometry
 from kvcached.stats import stats
 
@@ -295,23 +295,6 @@ def test_hashing_a_free_clean_block_is_refused(rigs) -> None:
         pool.cache_full_blocks(request, [block], 0, 1, BLOCK, 0)
     assert block.block_hash is None
     pool.check()
-
-
-def test_engine_step_fence_tickets_skip_steps_without_kv_work() -> None:
-    """The async engine idles with an empty step queued; pages freed before it must go back."""
-    fence = EngineStepFence()
-    first = fence.begin_step()
-    assert fence.ticket() == first
-    empty = fence.begin_step()
-    fence.mark_kv_free(empty)
-    assert fence.ticket() == first, "the queued empty step touches no page"
-    fence.end_step()  # the first step executed; the empty one is still queued
-    assert fence.passed(fence.ticket())
-    fence.end_step()
-    busy = fence.begin_step()
-    assert fence.ticket() == busy
-    with pytest.raises(InvariantError, match="not in flight"):
-        fence.mark_kv_free(empty)
 
 
 def test_prefix_cache_reset_gives_pages_back_at_once(rigs) -> None:

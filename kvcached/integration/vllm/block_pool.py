@@ -47,7 +47,7 @@ Fault injection (`kvcached.faults`): the admission check runs site ``"admission"
 free blocks than the demand, so that admission attempt is a scheduling miss.
 
 Pages whose blocks are all CLEAN go back to the `PagePool`, ticketed by the step fence
-(an `EngineStepFence`: steps that touch no KV hold no ticket); they are unmapped by
+(a `kvcached.fence.EngineStepFence`: steps that touch no KV hold no ticket); they are unmapped by
 `collect` once every step that may still touch them has executed.
 
 Start and teardown. The physical parts (config, fence, fault injector, `PagePool`,
@@ -86,54 +86,12 @@ from kvcached.arena import ElasticArena
 from kvcached.config import KvcachedConfig
 from kvcached.errors import InjectedFault, IntegrationError, InvariantError
 from kvcached.faults import FaultInjector
-from kvcached.fence import StepFence
+from kvcached.fence import EngineStepFence, StepFence
 from kvcached.ledger import BlockLedger
 from kvcached.pages import PagePool
 from kvcached.space import KvSpace
 
 ADMISSION_SITES = frozenset({"admission", "cow_admission"})
-
-
-class EngineStepFence(StepFence):
-    """A `StepFence` that knows which in-flight steps cannot touch KV memory.
-
-    vLLM's batch-queue engine loop (async scheduling) may schedule a step with no work
-    (every running request is already scheduled) and then stop stepping once no request
-    is unfinished: that empty step stays queued, unexecuted, until the next request
-    arrives. A page released meanwhile would be ticketed for it and stay mapped for as
-    long as the engine idles. A step that schedules no tokens, no copies, no zeroing and
-    no connector work reads and writes no block, so `ticket` skips such steps: it is the
-    newest in-flight step that may touch KV, or the last executed one if none may.
-
-    Invariant: every step in ``_kv_free`` is in flight (``executed < step <= scheduled``).
-    A step is marked only after it was scheduled, so anything released while it was being
-    scheduled already holds its ticket (conservative).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._kv_free: set[int] = set()
-
-    def mark_kv_free(self, step: int) -> None:
-        """Step ``step`` (scheduled, not yet executed) reads and writes no KV block."""
-        with self._lock:
-            if not self.executed < step <= self.scheduled:
-                raise InvariantError(
-                    f"step {step} is not in flight (scheduled={self.scheduled}, executed={self.executed})"
-                )
-            self._kv_free.add(step)
-
-    def end_step(self) -> None:
-        super().end_step()
-        with self._lock:
-            self._kv_free.discard(self.executed)
-
-    def ticket(self) -> int:
-        with self._lock:
-            step = self.scheduled
-            while step > self.executed and step in self._kv_free:
-                step -= 1
-            return step
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,8 +103,8 @@ class _Demand:
 
 
 #: A check that allocates nothing and touches no prefix hit (a decode step inside a block),
-#: or a running request's that free blocks on mapped pages cover (`admit_running`, also set
-#: inline by the scheduler seam): the next free count is the native one, at no cost.
+#: or a running request's that free blocks on mapped pages cover (`admit_running`, asked by
+#: the scheduler seam): the next free count is the native one, at no cost.
 NO_DEMAND = _Demand(0, frozenset())
 
 
@@ -285,8 +243,9 @@ class ElasticBlockPool(BlockPool):
         The marker is consumed by the free count vLLM asks for next in ``allocate_slots``
         (nothing else asks for one without noting a demand first).
 
-        The scheduler seam runs this same test inline on every running request's call (a
-        call costs about as much as the test); the two change together.
+        The one definition of the decode path's gate: the scheduler seam asks it on every
+        running request's plain call (no prefix hit, no reservation) and skips admission
+        work exactly when it says yes.
         """
         gate = self.running_gate
         if gate is None or self.ledger.backed_free < gate[0] * (num_tokens // gate[1] + 2):
@@ -437,13 +396,7 @@ class ElasticBlockPool(BlockPool):
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Native semantics; CLEAN blocks are chosen page-aware (see the module docstring)."""
         self._adopt_external_pops()
-        if num_blocks == 1 and self.ledger.num_free:
-            # A decode step's new block: one CLEAN block, without the batch's lists. Maps
-            # only if admission did not; raises PhysicalMemoryExhausted before any change.
-            ret = [self.blocks[self.ledger.allocate(1)[0]]]
-            self.free_block_queue.remove(ret[0])
-        else:
-            ret = self._take_free_blocks(num_blocks)
+        ret = self._take_free_blocks(num_blocks)
         # Native eviction of a block without hash, alias key or metrics is a no-op: CLEAN
         # blocks (most of them) skip the call.
         evict = self.enable_caching

@@ -34,10 +34,10 @@ they act is the process-wide switch in `install_state`, shared with the worker s
 
     The decode path (every running request, every step) does no admission work: a running
     request's call (no prefix hit, no reservation) whose possible demand free blocks on
-    mapped pages already cover (`ElasticBlockPool.admit_running`, whose test the wrapper
-    runs inline on the pool's ``running_gate``) goes straight to vLLM, which sees the native
-    count. That costs one wrapper frame; the wrapper is compiled at install with vLLM's own
-    parameters, so it passes them on as vLLM's caller did (`_compile_exact`).
+    mapped pages already cover (the wrapper asks `ElasticBlockPool.admit_running`, the one
+    definition of that test) goes straight to vLLM, which sees the native count. That costs
+    one wrapper frame and the gate's call; the wrapper is compiled at install with vLLM's
+    own parameters, so it passes them on as vLLM's caller did (`_compile_exact`).
 
 ``Scheduler.schedule`` / ``Scheduler.update_from_output`` (the step fence)
     A page may be read or written by any step scheduled but not yet executed (async
@@ -77,8 +77,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvcached.errors import IntegrationError
+from kvcached.fence import EngineStepFence
 from kvcached.integration.vllm import install_state
-from kvcached.integration.vllm.block_pool import NO_DEMAND, ElasticBlockPool, EngineStepFence
+from kvcached.integration.vllm.block_pool import ElasticBlockPool
 from kvcached.integration.vllm.capabilities import Capabilities
 from kvcached.integration.vllm.patching import MISSING, PatchSet, require_own
 
@@ -223,14 +224,11 @@ def allocate_slots(self, {params}):
     pool = self.block_pool
     if not isinstance(pool, elastic):
         return original(self, {call})
-    # The decode path: a running request's call (no prefix hit, no reservation) whose
-    # possible demand free blocks on mapped pages already cover goes straight to vLLM
-    # (`ElasticBlockPool.admit_running`, inlined: a call would cost as much as the test).
-    gate = pool.running_gate
-    if (gate is not None and request.status is running and num_new_computed_tokens == 0
-            and new_computed_blocks is None and reserved_blocks == 0
-            and pool.ledger.backed_free >= gate[0] * ((num_new_tokens + {lookahead}) // gate[1] + 2)):
-        pool._demand = no_demand
+    # The decode path: a running request's call (no prefix hit, no reservation) goes
+    # straight to vLLM when the pool's one gate, `ElasticBlockPool.admit_running`, says the
+    # blocks it can ask for are already on mapped pages.
+    if (request.status is running and num_new_computed_tokens == 0 and new_computed_blocks is None
+            and reserved_blocks == 0 and pool.admit_running(num_new_tokens + {lookahead})):
         return original(self, {call})
     previous = begin(self, pool, request, num_new_computed_tokens, new_computed_blocks, reserved_blocks)
     try:
@@ -273,8 +271,7 @@ def _wrap_allocate_slots(original: Callable[..., Any], count: Callable[..., int]
     return _compile_exact(
         _ALLOCATE_SLOTS, signature, original,
         lookahead="num_lookahead_tokens" if "num_lookahead_tokens" in signature.parameters else "0",
-        namespace={"elastic": ElasticBlockPool, "running": RequestStatus.RUNNING, "begin": begin, "end": end,
-                   "no_demand": NO_DEMAND},
+        namespace={"elastic": ElasticBlockPool, "running": RequestStatus.RUNNING, "begin": begin, "end": end},
     )
 
 
@@ -310,7 +307,7 @@ def _compile_exact(template: str, signature: inspect.Signature, original: Callab
             params.append(f"{p.name}=_default_{p.name}")
         call.append(f"{p.name}={p.name}" if keyword_only else p.name)
     source = template.format(params=", ".join(params), call=", ".join(call), lookahead=lookahead)
-    clashes = sorted(set(signature.parameters) & ({"original", "pool", "previous", "gate"} | set(namespace)))
+    clashes = sorted(set(signature.parameters) & ({"original", "pool", "previous"} | set(namespace)))
     if clashes:
         raise IntegrationError(f"{original.__qualname__} has parameters {clashes}, which the kvcached "
                                "seam's body also names; this vLLM is not supported")
