@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from conformance.reporting.environment import Provenance
 from serving_probes.gpu_memory import EngineRun, Sample, Workload, checks, report
 
 MIB = 1 << 20
@@ -37,8 +38,11 @@ def _runs() -> list[EngineRun]:
 def test_every_check_holds_on_a_good_run(tmp_path: Path) -> None:
     runs = _runs()
     assert all(checks(runs).values()), checks(runs)
-    md = report(runs, Workload(requests=2), tmp_path, {"date": "today", "device": "H200", "torch": "2.11"})
-    assert "| yes |" in md.read_text() and (tmp_path / "memory.png").stat().st_size > 0
+    md = report(runs, Workload(requests=2), tmp_path,
+                Provenance.from_dict({"date": "today", "gpu": "H200", "torch": "2.11"}))
+    text = md.read_text()
+    assert ": PASS" in text.splitlines()[0] and f"**{len(checks(runs))} of {len(checks(runs))}** checks hold" in text
+    assert (tmp_path / "memory.png").stat().st_size > 0
 
 
 def _kvc(runs: list[EngineRun]) -> EngineRun:
