@@ -19,6 +19,7 @@ from kvcached.faults import FaultInjector
 from kvcached.fence import StepFence
 from kvcached.ledger import BlockLedger
 from kvcached.pages import PagePool
+from kvcached.policies import PoolPolicies
 from kvcached.space import KvSpace
 from kvcached.stats import register, unregister
 
@@ -57,7 +58,8 @@ class ElasticArena:
 
         ``config``: default the config the space was published with (`KvSpace.config`); one
         of the two must exist, and its page size must be the geometry's. ``fence``: default a
-        plain `StepFence` (an engine passes its own kind, e.g. vLLM's `EngineStepFence`).
+        plain `StepFence` (vLLM's adapter passes an `EngineStepFence`, which skips in-flight
+        steps that touch no KV).
         ``faults``: default the config's fault plan, never the environment again (no plan:
         no injector). The space's ``premapped`` pages are adopted first, so ``pinned``
         blocks on them (vLLM's null block) need no new map; other pinned blocks are mapped
@@ -77,7 +79,8 @@ class ElasticArena:
         if faults is None:
             # An empty path means "no plan": only the config decides.
             faults = FaultInjector.from_env(config.fault_plan or "")
-        pool = PagePool(space.page_space(), config, fence=fence, faults=faults, limiter=space.limiter)
+        policies = PoolPolicies.from_config(config, space.limiter)
+        pool = PagePool(space.page_space(), config, fence=fence, faults=faults, policies=policies)
         pool.adopt(space.premapped)
         ledger = BlockLedger(space.geometry.num_blocks, space.geometry.blocks_per_page, pool, pinned)
         arena = cls(config, space, fence, faults, pool, ledger)
@@ -108,6 +111,5 @@ class ElasticArena:
 
     def _leave_budget(self) -> None:
         """The engine's rows in its devices' budget records go (the ranks' slots are theirs)."""
-        if self.pool.limiter is not None:
-            self.pool.limiter.close()
+        self.pool.policies.limit.close()
 
