@@ -210,12 +210,11 @@ def child(config: Config, pairs: int, max_tokens: int) -> Result:
     caps = detect()
     # Installed around every kvcached step: the same replacements each time (vLLM's
     # originals are restored in between), not wrappers compiled anew and run cold.
-    plan = seams._plan()
-    seams._plan = lambda: plan
+    planned = seams.plan()
 
     @contextlib.contextmanager
     def installed() -> Any:
-        seams.install(caps, enabled=True)
+        seams.install(caps, enabled=True, planned=planned)
         try:
             yield
         finally:

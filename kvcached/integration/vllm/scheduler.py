@@ -424,16 +424,30 @@ def _plan() -> list[tuple[Any, str, Any]]:
     ]
 
 
-def install(caps: Capabilities, *, enabled: bool | None = None) -> None:
+def plan() -> list[tuple[Any, str, Any]]:
+    """The replacements `install` would apply now, compiled (vLLM's shape checked first).
+
+    A tool that installs and uninstalls around every step (the scheduler-loop benchmark)
+    plans once and passes the plan to each `install`, so every install applies the same,
+    already warm wrappers instead of compiling new ones."""
+    return _plan()
+
+
+def install(caps: Capabilities, *, enabled: bool | None = None,
+            planned: list[tuple[Any, str, Any]] | None = None) -> None:
     """Replace the scheduler-side attributes; idempotent. Nothing is patched on error.
 
     ``enabled``: the switch (None: the one already recorded in `install_state`, else
     ``KVCACHED_ENABLE``/``ENABLE_KVCACHED`` now). Installed disabled, every seam delegates
     to vLLM (the coordinator gets vLLM's own pool), so tools can install the seams without
     changing behaviour. Other capabilities or another switch than the installed ones
-    raise `IntegrationError`.
+    raise `IntegrationError`. ``planned``: a `plan()` made in this process while vLLM's
+    originals were in place (they are again after `uninstall`); default a fresh one.
     """
-    install_state.install_part(_PART, caps, enabled, lambda: _patches.apply(_plan()))  # validates first
+    def apply() -> None:
+        _patches.apply(planned if planned is not None else _plan())
+
+    install_state.install_part(_PART, caps, enabled, apply)  # validates first
 
 
 def uninstall() -> None:
