@@ -15,9 +15,8 @@ import dataclasses
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-
-PROBES = ("copy", "cost", "bandwidth", "sanitizer", "serving", "sharing", "isolation")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -81,6 +80,131 @@ def _checked_probe(name: str, args: argparse.Namespace, results: dict[str, objec
     return ok
 
 
+#: A probe step: runs one probe, adds its rows to ``results`` and returns whether it failed.
+Step = Callable[[argparse.Namespace, dict[str, object]], bool]
+
+
+def _warm_torch(device: str) -> None:
+    """Load torch's lazily loaded copy kernels before the start-of-run free memory is read:
+    they hold device memory for the rest of the process, so the teardown comparison then
+    measures only what kvcached gives back."""
+    import torch
+
+    from serving_probes.copy_matrix import CopyCase, run_case
+
+    run_case(CopyCase("NHD", "separate", 2), 8, device, pressure=False)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def _probe_copy(args: argparse.Namespace, results: dict[str, object]) -> bool:
+    from serving_probes.copy_matrix import all_cases, run_case
+
+    rows, failed = [], False
+    for case in all_cases():
+        r = run_case(case, args.blocks, args.device, pressure=not args.no_pressure)
+        ok = (r.copy_exact and r.runs_copied == r.runs_expected
+              and (args.no_pressure or r.rejected_by_driver)
+              and r.rejection_left_state_unchanged and r.recovered_blocks == args.blocks
+              and r.contents_verified)
+        failed |= not ok
+        rows.append({**dataclasses.asdict(r), "pass": ok})
+        print(f"copy {r.case}: {'PASS' if ok else 'FAIL'} {dataclasses.asdict(r)}", flush=True)
+    results["copy"] = rows
+    return failed
+
+
+def _probe_cost(args: argparse.Namespace, results: dict[str, object]) -> bool:
+    """Timings only: the cost probe has no pass/fail of its own."""
+    from kvcached import _vmm
+    from serving_probes.driver_cost import measure
+
+    cost = measure(args.device, _vmm.cuda_granularity(0), args.cost_pages, args.cost_rounds)
+    floor = cost.rows[0]
+    rows = [{"path": r.path, "map_us": round(r.map_us, 2), "unmap_us": round(r.unmap_us, 2),
+             "total_us": round(r.total_us, 2), "ratio_vs_floor": round(r.total_us / floor.total_us, 3),
+             "ratio_range_over_rounds": str(cost.ratio_range.get(r.path, "-"))}
+            for r in cost.rows]
+    results["cost"], results["floor_calls"] = rows, cost.floor_calls
+    for row in [*rows, *cost.floor_calls]:
+        print(f"cost {row}", flush=True)
+    return False
+
+
+def _probe_bandwidth(args: argparse.Namespace, results: dict[str, object]) -> bool:
+    from serving_probes.bandwidth import run as run_bandwidth
+    from serving_probes.bandwidth import write_outputs
+
+    bandwidth = run_bandwidth(args.device, args.bandwidth_gib, argv=[f"--gib={args.bandwidth_gib}"])
+    results["bandwidth"] = bw_rows = bandwidth.get("bandwidth_table", [])
+    results["bandwidth_decode"] = decode_rows = bandwidth.get("decode_table", [])
+    for bw_row in [*bw_rows, *bandwidth.get("bandwidth_checks", []), *decode_rows]:
+        print(f"bandwidth {bw_row}", flush=True)
+    print(f"bandwidth: {'PASS' if bandwidth['passed'] else 'FAIL'} errors={bandwidth['errors']}", flush=True)
+    if not args.no_report:
+        print(f"bandwidth report: {write_outputs(bandwidth, Path(args.out) / 'bandwidth')}", flush=True)
+    return not bandwidth["passed"]
+
+
+def _probe_sanitizer(args: argparse.Namespace, results: dict[str, object]) -> bool:
+    """Not run (and not failed) without compute-sanitizer; the report says so."""
+    from serving_probes.sanitizer import find_tool, run_all
+
+    tool = find_tool()
+    if tool is None:
+        results["sanitizer_status"] = "not run: compute-sanitizer not found on PATH or /usr/local/cuda*/bin"
+        print(f"sanitizer: {results['sanitizer_status']}", flush=True)
+        return False
+    san_rows, san_logs = run_all(tool)
+    results["sanitizer"] = [dataclasses.asdict(r) for r in san_rows]
+    results["sanitizer_logs"] = san_logs
+    for san in san_rows:
+        print(f"sanitizer {san.name}: {san.verdict} (exit {san.exit_code}, {san.errors} errors, "
+              f"{san.leaked_bytes} B leaked in {san.leaked_allocations}; APIs: {san.apis_in_reports or '-'})",
+              flush=True)
+    return any(san.verdict == "FAIL" for san in san_rows)
+
+
+def _probe_serving(args: argparse.Namespace, results: dict[str, object]) -> bool:
+    """The hybrid serving probe reports a status (ran, skipped and why); no pass/fail here."""
+    from serving_probes.hybrid_serving import run as run_serving
+
+    serving = run_serving()
+    results["serving"] = dataclasses.asdict(serving)
+    print(f"serving: {serving.status} {serving.reason}", flush=True)
+    return False
+
+
+def _self_contained(name: str) -> Step:
+    """A probe with its own checks and report (`_checked_probe`)."""
+    return lambda args, results: not _checked_probe(name, args, results)
+
+
+#: Every probe, in the order they run.
+STEPS: dict[str, Step] = {"copy": _probe_copy, "cost": _probe_cost, "bandwidth": _probe_bandwidth,
+                          "sanitizer": _probe_sanitizer, "serving": _probe_serving,
+                          "sharing": _self_contained("sharing"), "isolation": _self_contained("isolation")}
+PROBES = tuple(STEPS)
+
+
+def _teardown(free_start: int, total: int, results: dict[str, object]) -> bool:
+    """Whether kvcached gave back all it took: free device memory at the end, once torch's
+    own caches are released (they would hide it, or be mistaken for it), is at least the
+    start's. Returns True when it failed."""
+    import torch
+
+    from serving_probes.torch_caches import release_torch_caches
+
+    release_torch_caches()
+    free_end, _ = torch.cuda.mem_get_info()
+    results["teardown"] = {"free_bytes_start": free_start, "free_bytes_end": free_end,
+                           "torch_live_tensor_bytes": torch.cuda.memory_allocated(),
+                           "total_bytes": total, "returned": free_end >= free_start}
+    print(f"teardown: free memory {free_start} -> {free_end} bytes; torch live tensor bytes "
+          f"{torch.cuda.memory_allocated()}", flush=True)
+    return free_end < free_start
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     import torch
@@ -93,108 +217,20 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.init()
     torch.empty(1, device=args.device)  # make the primary context current for the floor probe
     if "copy" in args.only:
-        # Warm up torch's lazily loaded kernels (they hold device memory for the rest of the
-        # process), so the teardown comparison below measures what kvcached gives back.
-        from serving_probes.copy_matrix import CopyCase
-        from serving_probes.copy_matrix import run_case as warm_case
-
-        warm_case(CopyCase("NHD", "separate", 2), 8, args.device, pressure=False)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        _warm_torch(args.device)
     free_start, total = torch.cuda.mem_get_info()
-    failed = False
     # The environment table is for the report; a --no-report child (the sanitizer's) skips
     # it, so nothing it runs (nvidia-smi, compute-sanitizer --version) runs under memcheck.
     results: dict[str, object] = {} if args.no_report else {"environment": _environment()}
-
-    if "copy" in args.only:
-        from serving_probes.copy_matrix import all_cases, run_case
-
-        rows = []
-        for case in all_cases():
-            r = run_case(case, args.blocks, args.device, pressure=not args.no_pressure)
-            ok = (r.copy_exact and r.runs_copied == r.runs_expected
-                  and (args.no_pressure or r.rejected_by_driver)
-                  and r.rejection_left_state_unchanged and r.recovered_blocks == args.blocks
-                  and r.contents_verified)
-            failed |= not ok
-            rows.append({**dataclasses.asdict(r), "pass": ok})
-            print(f"copy {r.case}: {'PASS' if ok else 'FAIL'} {dataclasses.asdict(r)}", flush=True)
-        results["copy"] = rows
-
-    if "cost" in args.only:
-        from serving_probes.driver_cost import measure
-
-        cost = measure(args.device, _vmm.cuda_granularity(0), args.cost_pages, args.cost_rounds)
-        floor = cost.rows[0]
-        results["cost"] = [{"path": r.path, "map_us": round(r.map_us, 2), "unmap_us": round(r.unmap_us, 2),
-                            "total_us": round(r.total_us, 2),
-                            "ratio_vs_floor": round(r.total_us / floor.total_us, 3),
-                            "ratio_range_over_rounds": str(cost.ratio_range.get(r.path, "-"))}
-                           for r in cost.rows]
-        results["floor_calls"] = breakdown = cost.floor_calls
-        for row in [*results["cost"], *breakdown]:  # type: ignore[misc]
-            print(f"cost {row}", flush=True)
-
-    if "bandwidth" in args.only:
-        from serving_probes.bandwidth import run as run_bandwidth
-        from serving_probes.bandwidth import write_outputs
-
-        bandwidth = run_bandwidth(args.device, args.bandwidth_gib, argv=[f"--gib={args.bandwidth_gib}"])
-        failed |= not bandwidth["passed"]
-        results["bandwidth"] = bw_rows = bandwidth.get("bandwidth_table", [])
-        results["bandwidth_decode"] = decode_rows = bandwidth.get("decode_table", [])
-        for bw_row in [*bw_rows, *bandwidth.get("bandwidth_checks", []), *decode_rows]:
-            print(f"bandwidth {bw_row}", flush=True)
-        print(f"bandwidth: {'PASS' if bandwidth['passed'] else 'FAIL'} errors={bandwidth['errors']}", flush=True)
-        if not args.no_report:
-            print(f"bandwidth report: {write_outputs(bandwidth, Path(args.out) / 'bandwidth')}", flush=True)
-
-    if "sanitizer" in args.only:
-        from serving_probes.sanitizer import find_tool, run_all
-
-        tool = find_tool()
-        if tool is None:
-            results["sanitizer_status"] = "not run: compute-sanitizer not found on PATH or /usr/local/cuda*/bin"
-            print(f"sanitizer: {results['sanitizer_status']}", flush=True)
-        else:
-            san_rows, san_logs = run_all(tool)
-            results["sanitizer"] = [dataclasses.asdict(r) for r in san_rows]
-            results["sanitizer_logs"] = san_logs
-            for san in san_rows:
-                failed |= san.verdict == "FAIL"
-                print(f"sanitizer {san.name}: {san.verdict} (exit {san.exit_code}, {san.errors} errors, "
-                      f"{san.leaked_bytes} B leaked in {san.leaked_allocations}; APIs: {san.apis_in_reports or '-'})",
-                      flush=True)
-
-    if "serving" in args.only:
-        from serving_probes.hybrid_serving import run as run_serving
-
-        serving = run_serving()
-        results["serving"] = dataclasses.asdict(serving)
-        print(f"serving: {serving.status} {serving.reason}", flush=True)
-
-    for name in ("sharing", "isolation"):  # self-contained probes: checks, and a report of their own
+    failed = False
+    for name, step in STEPS.items():
         if name in args.only:
-            failed |= not _checked_probe(name, args, results)
-
-    # What torch still caches would hide (or be mistaken for) what kvcached gave back.
-    from serving_probes.torch_caches import release_torch_caches
-
-    release_torch_caches()
-    free_end, _ = torch.cuda.mem_get_info()
-    results["teardown"] = {"free_bytes_start": free_start, "free_bytes_end": free_end,
-                           "torch_live_tensor_bytes": torch.cuda.memory_allocated(),
-                           "total_bytes": total, "returned": free_end >= free_start}
-    failed |= free_end < free_start
-    print(f"teardown: free memory {free_start} -> {free_end} bytes; torch live tensor bytes "
-          f"{torch.cuda.memory_allocated()}", flush=True)
-
+            failed |= step(args, results)
+    failed |= _teardown(free_start, total, results)
     if not args.no_report:
         from serving_probes.report import write_report
 
-        path = write_report(results, Path(args.out))
-        print(f"report: {path}")
+        print(f"report: {write_report(results, Path(args.out))}")
     return 1 if failed else 0
 
 
