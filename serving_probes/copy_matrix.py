@@ -92,11 +92,25 @@ class CaseResult:
     contents_verified: bool
 
 
-def run_case(case: CopyCase, num_blocks: int = 600, device: str = "cuda:0", seed: int = 0,
-             pressure: bool = True) -> CaseResult:
-    torch.manual_seed(seed)
+@dataclass
+class _Rig:
+    """One case's pool and the layer views over it (``kv_caches``: the attention views, then
+    the Mamba view aliasing the first backing, as vLLM's hybrid models lay them out)."""
+
+    arena: ElasticArena
+    ranges: tuple[_vmm.VirtualRange, ...]
+    views: list[torch.Tensor]
+    kv_caches: list[torch.Tensor]
+    capacity_blocks: int
+
+    def close(self) -> None:
+        self.arena.close()
+        for r in self.ranges:
+            r.close()
+
+
+def _rig(case: CopyCase, capacity_blocks: int, device: str) -> _Rig:
     page = _layer_page_bytes()
-    capacity_blocks = 4 * num_blocks
     config = KvcachedConfig(page_size=_vmm.cuda_granularity(0) if device.startswith("cuda") else 2 << 20,
                             min_reserve_pages=0, max_reserve_pages=0, map_retries=6,
                             retry_backoff_s=0.04)
@@ -104,73 +118,92 @@ def run_case(case: CopyCase, num_blocks: int = 600, device: str = "cuda:0", seed
     stride = page if case.layers == "separate" else LAYERS * page
     geometry = plan_geometry([stride] * n_backings, capacity_blocks, config.page_size)
     ranges = tuple(_vmm.VirtualRange(device, size, config.page_size) for size in geometry.reserved_bytes)
-    arena = ElasticArena.open(KvSpace(geometry, ranges), config, name=f"probe-{case.name}")
     try:
-        raws = [tensor_view(r, 0, r.size) for r in ranges]
-        views: list[torch.Tensor] = []
-        for layer in range(LAYERS):
-            raw = raws[layer] if case.layers == "separate" else raws[0]
-            # Interleaving is per kernel block: a kernel row holds that kernel block of
-            # every layer, so each layer's view keeps one uniform stride along dim 0.
-            offset = 0 if case.layers == "separate" else layer * page // case.ratio
-            views.append(_attention_view(raw, case, capacity_blocks, offset, stride))
-        # Mamba raw page view aliasing the first attention backing (shared tensor).
-        mamba = torch.as_strided(raws[0], (capacity_blocks, 1, 1, page), (stride, page, page, 1), 0)
-        kv_caches = [*views, mamba]
-        annotate(kv_caches, capacity_blocks, block_dim=0)
+        arena = ElasticArena.open(KvSpace(geometry, ranges), config, name=f"probe-{case.name}")
+    except BaseException:
+        for r in ranges:
+            r.close()
+        raise
+    raws = [tensor_view(r, 0, r.size) for r in ranges]
+    views: list[torch.Tensor] = []
+    for layer in range(LAYERS):
+        raw = raws[layer] if case.layers == "separate" else raws[0]
+        # Interleaving is per kernel block: a kernel row holds that kernel block of
+        # every layer, so each layer's view keeps one uniform stride along dim 0.
+        offset = 0 if case.layers == "separate" else layer * page // case.ratio
+        views.append(_attention_view(raw, case, capacity_blocks, offset, stride))
+    # Mamba raw page view aliasing the first attention backing (shared tensor).
+    mamba = torch.as_strided(raws[0], (capacity_blocks, 1, 1, page), (stride, page, page, 1), 0)
+    kv_caches = [*views, mamba]
+    annotate(kv_caches, capacity_blocks, block_dim=0)
+    return _Rig(arena, ranges, views, kv_caches, capacity_blocks)
 
-        blocks = arena.ledger.allocate(num_blocks, wait=True)
+
+def _copy_round(rig: _Rig, case: CopyCase, blocks: list[int], rows: torch.Tensor,
+                expected: list[torch.Tensor], device: str) -> tuple[int, bool]:
+    """Random copies among the held blocks (unique destinations, gather-then-scatter),
+    applied to ``expected`` too; (pairs copied, whether the views equal the expectation)."""
+    num_blocks = len(blocks)
+    perm = torch.randperm(num_blocks)
+    dst_pos = perm[: num_blocks // 3]
+    src_pos = torch.randint(0, num_blocks, (len(dst_pos),))
+    pairs = [(blocks[s], blocks[d]) for s, d in zip(src_pos.tolist(), dst_pos.tolist(), strict=True)]
+    reset_copy_stats()
+    copy_blocks(rig.kv_caches, rig.capacity_blocks, pairs)
+    torch.cuda.synchronize() if device.startswith("cuda") else None
+    for ref in expected:
+        ref_rows = ref.view(num_blocks, case.ratio, *ref.shape[1:])
+        ref_rows[dst_pos] = ref_rows[src_pos].clone()
+    return len(pairs), all(torch.equal(v[rows].cpu(), ref) for v, ref in zip(rig.views, expected, strict=True))
+
+
+def _recover(rig: _Rig, case: CopyCase, num_blocks: int, rows: torch.Tensor, expected: list[torch.Tensor],
+             device: str) -> tuple[list[int], float, int, bool]:
+    """After pressure: allocate ``num_blocks`` more, write them, and check the first blocks
+    kept their contents; (blocks, ms taken, failed map attempts, contents verified)."""
+    torch.cuda.empty_cache() if device.startswith("cuda") else None
+    start = time.monotonic()
+    failures_before = rig.arena.pool.counters().map_failures
+    more = rig.arena.ledger.allocate(num_blocks, wait=True)
+    recovery_ms = (time.monotonic() - start) * 1000
+    failed_attempts = rig.arena.pool.counters().map_failures - failures_before
+    more_rows = _kernel_rows(more, case.ratio, device)
+    for v in rig.views:
+        v[more_rows] = 1.0
+    verified = all(
+        torch.equal(v[rows].cpu(), ref) for v, ref in zip(rig.views, expected, strict=True)
+    ) and all(bool(v[more_rows].cpu().eq(1.0).all()) for v in rig.views)  # compared on the host
+    del more_rows  # device tensors die before the frame does (see run_case)
+    return more, recovery_ms, failed_attempts, verified
+
+
+def run_case(case: CopyCase, num_blocks: int = 600, device: str = "cuda:0", seed: int = 0,
+             pressure: bool = True) -> CaseResult:
+    torch.manual_seed(seed)
+    rig = _rig(case, 4 * num_blocks, device)
+    try:
+        blocks = rig.arena.ledger.allocate(num_blocks, wait=True)
         rows = _kernel_rows(blocks, case.ratio, device)
-        for v in views:
+        for v in rig.views:
             v[rows] = torch.randn_like(v[rows])
         # The reference lives on the host: the probe then holds no device memory of its own
         # beyond short-lived gathers, so leak checks see kvcached's allocations alone.
-        expected = [v[rows].cpu() for v in views]
-
-        # Random copies among the held blocks: unique destinations, gather-then-scatter.
-        perm = torch.randperm(num_blocks)
-        dst_pos = perm[: num_blocks // 3]
-        src_pos = torch.randint(0, num_blocks, (len(dst_pos),))
-        pairs = [(blocks[s], blocks[d]) for s, d in zip(src_pos.tolist(), dst_pos.tolist(), strict=True)]
-        reset_copy_stats()
-        copy_blocks(kv_caches, capacity_blocks, pairs)
-        torch.cuda.synchronize() if device.startswith("cuda") else None
-        for ref in expected:
-            ref_rows = ref.view(num_blocks, case.ratio, *ref.shape[1:])
-            ref_rows[dst_pos] = ref_rows[src_pos].clone()
-        copy_exact = all(
-            torch.equal(v[rows].cpu(), ref) for v, ref in zip(views, expected, strict=True)
-        )
+        expected = [v[rows].cpu() for v in rig.views]
+        pairs, copy_exact = _copy_round(rig, case, blocks, rows, expected, device)
         # One backing run per backing: separate layers give LAYERS backings (the Mamba view
         # shares the first), interleaved layers merge into one contiguous run.
-        runs_expected = n_backings
+        runs_expected = LAYERS if case.layers == "separate" else 1
         runs_copied = copy_stats().runs_copied
-
-        rejected, unchanged = False, True
-        if pressure:
-            rejected, unchanged = _pressure(arena, num_blocks, device)
-        torch.cuda.empty_cache() if device.startswith("cuda") else None
-        start = time.monotonic()
-        failures_before = arena.pool.counters().map_failures
-        more = arena.ledger.allocate(num_blocks, wait=True)
-        recovery_ms = (time.monotonic() - start) * 1000
-        failed_attempts = arena.pool.counters().map_failures - failures_before
-        more_rows = _kernel_rows(more, case.ratio, device)
-        for v in views:
-            v[more_rows] = 1.0
-        verified = all(
-            torch.equal(v[rows].cpu(), ref) for v, ref in zip(views, expected, strict=True)
-        ) and all(bool(v[more_rows].cpu().eq(1.0).all()) for v in views)  # compared on the host
-        arena.ledger.release(blocks + more)
+        rejected, unchanged = _pressure(rig.arena, num_blocks, device) if pressure else (False, True)
+        more, recovery_ms, failed_attempts, verified = _recover(rig, case, num_blocks, rows, expected, device)
+        rig.arena.ledger.release(blocks + more)
         # Device tensors die before the frame does (see kvcached.copy: under the sanitizer's
         # leak check, frames on the stack during a driver allocation outlive their call).
-        del rows, more_rows
-        return CaseResult(case.name, num_blocks, len(pairs), copy_exact, runs_copied, runs_expected,
+        del rows
+        return CaseResult(case.name, num_blocks, pairs, copy_exact, runs_copied, runs_expected,
                           rejected, unchanged, len(more), round(recovery_ms, 1), failed_attempts, verified)
     finally:
-        arena.close()
-        for r in ranges:
-            r.close()
+        rig.close()
 
 
 def _kernel_rows(blocks: list[int], ratio: int, device: str) -> torch.Tensor:
