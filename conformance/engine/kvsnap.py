@@ -6,12 +6,15 @@ Two halves, one per process of a multiprocess engine. The EngineCore half
 (`read_blocks`, run on every rank through vLLM's ``collective_rpc``) returns, for every
 layer of that KV-cache group, the block's values as float32 arrays:
 
-* attention layers (CPU_ATTN): K and V of the token slots the block's primary hash covers.
-  A partial block's other slots are scratch and legitimately schedule-dependent. The
-  CPU_ATTN block is *not* token-major: per KV head it holds K transposed
-  (head_size x block_size) followed by V (block_size x head_size) inside the logical
-  (heads, block_size, 2*head_size) view. ``verify_cpu_attn_layout`` checks that with vLLM's
-  own cache-write kernel before any snapshot relies on it;
+* attention layers (CPU_ATTN): K and V of the token slots the block's primary hash covers,
+  each as (heads, valid tokens, head_size). A partial block's other slots are scratch and
+  legitimately schedule-dependent. The CPU_ATTN block is *not* token-major, and its layout
+  depends on the ISA vLLM's kernel runs (K transposed then V per head for "vec"/"vec16",
+  pair-interleaved tiles for "amx", ...). kvsnap assumes none of them: it derives, once per
+  `CpuAttnGeometry` (dtype, ISA, block size, head size, KV heads), the flat slot of every
+  (K|V, head, token, dim) by writing index-encoding K/V with vLLM's own cache-write kernel
+  (`derive_cpu_attn_layout`); a write that is not a bijection onto the block's slots, or
+  random K/V that do not read back through the map, raise `CpuAttnLayoutError`;
 * attention layers on CUDA (FLASH_ATTN, TRITON_ATTN): vLLM's logical per-layer view is
   (kernel blocks, heads, kernel block size, 2*head_size), K and V packed in the last axis;
   a hybrid's scheduler block may span several kernel blocks (`attention_block`). K and V of
@@ -24,20 +27,21 @@ Invariants:
   blocks be matched.
 * Array names are ``b<block_id>|<layer>|<state>`` (attention: state 0 = K, 1 = V); each
   (block, layer) is stored once even when several keys (aliases) point at the block.
-  ``token_dims["<layer>|<state>"]`` names the token axis (None: recurrent state).
-* bf16 values are widened to float32 (exact), so byte equality of the arrays is equality
+  ``token_dims["<layer>|<state>"]`` names the token axis (None: recurrent state); K and V
+  of every attention layout put tokens on axis 1.
+* bf16/fp16 values are widened to float32 (exact), so byte equality of the arrays is equality
   of the original values.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 ATTENTION_KINDS = ("FullAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec")
-_verified: set[tuple[str, int, int, int]] = set()
 
 
 @dataclass(frozen=True)
@@ -68,37 +72,142 @@ def valid_tokens(num_tokens: int, block_size: int) -> int:
     return num_tokens - ((num_tokens - 1) // block_size) * block_size
 
 
-def split_cpu_attn_block(block: Any, valid: int) -> list[tuple[Any, int | None]]:
-    """[(K (heads, head_size, valid), token axis 2), (V (heads, valid, head_size), token axis 1)]."""
-    heads, block_size, two_d = block.shape
-    d = two_d // 2
-    flat = block.reshape(heads, block_size * two_d)
-    k = flat[:, : block_size * d].reshape(heads, d, block_size)[:, :, :valid]
-    v = flat[:, block_size * d :].reshape(heads, block_size, d)[:, :valid, :]
-    return [(k, 2), (v, 1)]
+class CpuAttnLayoutError(RuntimeError):
+    """vLLM's CPU_ATTN cache write is not a bijection of (K|V, head, token, dim) onto the slots
+    of one block, or a write does not read back exactly through the map derived from it."""
 
 
-def verify_cpu_attn_layout(dtype: Any, block_size: int, head_size: int, heads: int = 2) -> None:
-    """Write random K/V with vLLM's CPU cache-write kernel and check ``split_cpu_attn_block``
-    reads every token back exactly; raise if the kernel layout is not the assumed one."""
-    key_ = (str(dtype), block_size, head_size, heads)
-    if key_ in _verified:
-        return
+@dataclass(frozen=True)
+class CpuAttnGeometry:
+    """What a CPU_ATTN block layout may depend on; the key of the derived-layout cache."""
+
+    dtype: Any  # torch dtype of the cache (== of the K/V the kernel is given)
+    isa: str  # vLLM's CPU attention ISA ("vec", "vec16", "amx", "neon", ...)
+    block_size: int
+    head_size: int
+    heads: int  # KV heads of the layer (of this rank)
+
+    def __str__(self) -> str:
+        return (f"isa {self.isa}, {self.dtype}, block_size {self.block_size}, "
+                f"head_size {self.head_size}, {self.heads} KV heads")
+
+
+#: ``write(key, value, block, isa)``: K/V (tokens, heads, head_size), token t into slot t of one
+#: (heads, block_size, 2*head_size) block. The one seam between kvsnap and vLLM's kernel.
+CacheWrite = Callable[[Any, Any, Any, str], None]
+
+
+def vllm_cache_write(key: Any, value: Any, block: Any, isa: str) -> None:
+    """vLLM's own ``cpu_attn_reshape_and_cache`` into one block, through the K/V halves that
+    ``CPUAttentionBackendImpl.do_kv_cache_update`` cuts from the layer cache."""
     import torch
     from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    isa = _get_attn_isa(dtype, block_size, head_size)
-    cache = torch.zeros(1, heads, block_size, 2 * head_size, dtype=dtype)
-    kc, vc = cache.view(1, heads, block_size * 2, head_size).chunk(2, dim=2)
+    heads, block_size, _ = block.shape
+    key_cache, value_cache = block.unsqueeze(0).view(1, heads, 2 * block_size, -1).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(key.shape[0]), isa)
+
+
+_DIGIT_BITS = 8  # index digits 0..255, written as 1..256: exact in bf16 (8 significant bits) and wider
+_INDEX_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16")
+_layouts: dict[CpuAttnGeometry, Any] = {}
+
+
+def _write_block(geom: CpuAttnGeometry, kv: Any, write: CacheWrite) -> Any:
+    """Write ``kv`` (2, heads, block_size, head_size) into a zeroed block; the block, flat."""
+    import torch
+
+    block = torch.zeros(geom.heads, geom.block_size, 2 * geom.head_size, dtype=geom.dtype)
+    k, v = (kv[i].to(geom.dtype).transpose(0, 1).contiguous() for i in (0, 1))
+    write(k, v, block, geom.isa)
+    return block.reshape(-1)
+
+
+def _slot_contents(geom: CpuAttnGeometry, write: CacheWrite) -> Any:
+    """Which element index ``((kind*heads + head)*block_size + token)*head_size + dim`` each
+    flat slot of the block receives, one base-256 digit per write.
+
+    Every write carries digit+1, so a slot still 0 was not written: each pass is also the
+    written-slots mark, and the passes must agree on it."""
+    import torch
+
+    n = 2 * geom.heads * geom.block_size * geom.head_size
+    ids = torch.arange(n, dtype=torch.int64).view(2, geom.heads, geom.block_size, geom.head_size)
+    contents = torch.zeros(n, dtype=torch.int64)
+    marks = []
+    for p in range(max(1, -(-(n - 1).bit_length() // _DIGIT_BITS))):
+        shift = p * _DIGIT_BITS
+        got = _write_block(geom, ((ids >> shift) & 255) + 1, write).to(torch.int64)
+        marks.append(got > 0)
+        contents += (got - 1).clamp(min=0) << shift
+    written = marks[0]
+    if not all(torch.equal(m, written) for m in marks[1:]):
+        raise CpuAttnLayoutError(f"CPU_ATTN cache write ({geom}) writes different slots on each write")
+    unwritten = n - int(written.sum())
+    counts = torch.bincount(contents[written].clamp(max=n), minlength=n + 1)[:n]  # n: no element's index
+    nowhere, repeated = int((counts == 0).sum()), int((counts > 1).sum())
+    if unwritten or nowhere or repeated:
+        raise CpuAttnLayoutError(
+            f"CPU_ATTN cache write ({geom}) is not a bijection onto the block's {n} slots: {unwritten} slots "
+            f"never written, {nowhere} elements in no slot, {repeated} in several; update kvsnap")
+    return contents
+
+
+def check_cpu_attn_layout(geom: CpuAttnGeometry, layout: Any, write: CacheWrite = vllm_cache_write) -> None:
+    """Raise unless random K/V written by ``write`` read back exactly through ``layout``."""
+    import torch
+
     gen = torch.Generator().manual_seed(0)
-    key = torch.randn(block_size, heads, head_size, generator=gen).to(dtype)
-    val = torch.randn(block_size, heads, head_size, generator=gen).to(dtype)
-    ops.cpu_attn_reshape_and_cache(key, val, kc, vc, torch.arange(block_size), isa)
-    (k, _), (v, _) = split_cpu_attn_block(cache[0], block_size)
-    if not (torch.equal(k, key.permute(1, 2, 0)) and torch.equal(v, val.permute(1, 0, 2))):
-        raise RuntimeError(f"CPU_ATTN KV block layout is not K^T|V for isa {isa}; update kvsnap")
-    _verified.add(key_)
+    kv = torch.randn(2, geom.heads, geom.block_size, geom.head_size, generator=gen).to(geom.dtype)
+    if not torch.equal(_write_block(geom, kv, write)[layout], kv):
+        raise CpuAttnLayoutError(f"random K/V written by the CPU_ATTN cache write ({geom}) do not read "
+                                 "back through the derived slot map; update kvsnap")
+
+
+def derive_cpu_attn_layout(geom: CpuAttnGeometry, write: CacheWrite = vllm_cache_write) -> Any:
+    """The block layout as vLLM's cache write makes it: an int64 (2, heads, block_size, head_size)
+    tensor, ``[kind, head, token, dim]`` = flat slot of that K (kind 0) or V (kind 1) element in
+    a contiguous (heads, block_size, 2*head_size) block. Checked by a random round trip."""
+    import torch
+
+    if str(geom.dtype) not in _INDEX_DTYPES:
+        raise CpuAttnLayoutError(f"CPU_ATTN cache of {geom.dtype} ({geom}) cannot carry exact index digits "
+                                 "(a quantized KV cache?); kvsnap reads float caches only")
+    contents = _slot_contents(geom, write)
+    layout = torch.empty_like(contents)
+    layout[contents] = torch.arange(contents.numel())
+    layout = layout.view(2, geom.heads, geom.block_size, geom.head_size)
+    check_cpu_attn_layout(geom, layout, write)
+    return layout
+
+
+def cpu_attn_layout(geom: CpuAttnGeometry) -> Any:
+    """``derive_cpu_attn_layout`` with vLLM's kernel, once per geometry and process."""
+    if geom not in _layouts:
+        _layouts[geom] = derive_cpu_attn_layout(geom)
+    return _layouts[geom]
+
+
+def split_cpu_attn_block(block: Any, valid: int, layout: Any) -> list[tuple[Any, int | None]]:
+    """[(K (heads, valid, head_size), token axis 1), (V (heads, valid, head_size), token axis 1)]
+    of one CPU_ATTN block, gathered through its derived ``layout``."""
+    if not block.is_contiguous():
+        raise CpuAttnLayoutError(f"CPU_ATTN block with strides {tuple(block.stride())} is not contiguous: "
+                                 "its slots are not the derived layout's flat positions")
+    flat = block.reshape(-1)
+    return [(flat[layout[0, :, :valid]], 1), (flat[layout[1, :, :valid]], 1)]
+
+
+def _cpu_attn_geometry(fwd_ctx: dict[str, Any], layer: str, t: Any) -> CpuAttnGeometry:
+    """The layer cache's geometry and the ISA its writes use (the impl's own choice, as vLLM
+    picks it with the model dtype and the cache config's block size)."""
+    heads, block_size, head_size = int(t.shape[1]), int(t.shape[2]), int(t.shape[3]) // 2
+    isa = getattr(getattr(fwd_ctx[layer], "impl", None), "isa", None)
+    if not isinstance(isa, str):
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(t.dtype, block_size, head_size)
+    return CpuAttnGeometry(t.dtype, isa, block_size, head_size, heads)
 
 
 def _attn_backend_name(fwd_ctx: dict[str, Any], layer: str) -> str:
@@ -177,8 +286,11 @@ def _block_parts(fwd_ctx: dict[str, Any], read: BlockRead) -> tuple[list[tuple[A
     valid = valid_tokens(read.num_tokens, read.block_size)
     if len(tensors) == 1 and backend == "CPU_ATTN":
         t = tensors[0]
-        verify_cpu_attn_layout(t.dtype, read.block_size, int(t.shape[-1]) // 2)
-        return split_cpu_attn_block(t[read.block_id], valid), False
+        geom = _cpu_attn_geometry(fwd_ctx, read.layer, t)
+        if geom.block_size != read.block_size:
+            raise CpuAttnLayoutError(f"CPU_ATTN cache of {read.layer} has {geom.block_size}-token blocks, "
+                                     f"its KV spec {read.block_size}")
+        return split_cpu_attn_block(t[read.block_id], valid, cpu_attn_layout(geom)), False
     if len(tensors) == 1 and backend in PACKED_HND_BACKENDS:
         return split_packed_block(attention_block(tensors[0], read.block_id, read.block_size), valid), False
     # Recurrent states whole; an unknown attention layout whole too (scratch slots included).
@@ -189,7 +301,7 @@ def read_blocks(worker: Any, reads: list[BlockRead]) -> dict[str, Any]:
     """Worker side (runs on every rank through ``collective_rpc``): this rank's KV arrays.
 
     Returns ``{"arrays": {"b<id>|<layer>|<state>": float32 array}, "token_dims": {...},
-    "whole_block_layers": [...]}``; bf16 is widened to float32 exactly.
+    "whole_block_layers": [...]}``; bf16/fp16 are widened to float32 exactly.
     """
     fwd_ctx = worker.vllm_config.compilation_config.static_forward_context
     arrays: dict[str, np.ndarray] = {}
