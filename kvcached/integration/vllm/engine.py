@@ -41,14 +41,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
-from kvcached.budget import NAME_BYTES, BudgetRecord, EngineBudget, EngineShare
+from kvcached.budget import BudgetRecord, EngineBudget, EngineShare
 from kvcached.config import KvcachedConfig
+from kvcached.config import engine_name as default_engine_name
 from kvcached.errors import IntegrationError, KvcachedError
 from kvcached.ranks import PageRequest, RankedPageSpace, RankLayout, RankReply, check_layouts
 from kvcached.space import KvSpace
@@ -208,18 +208,14 @@ def prepare(core: Any, kv_cache_config: Any) -> None:
 
 
 def engine_name(vllm_config: Any) -> str:
-    """The engine's name in its budget records (``kvctl``): ``KVCACHED_ENGINE_NAME``, else the
-    served model's last path part and this process's PID (unique among live engines)."""
-    explicit = os.environ.get("KVCACHED_ENGINE_NAME", "").strip()
-    if explicit:
-        return explicit
+    """The engine's name in its budget records (``kvctl``): `kvcached.config.engine_name` of
+    the served model (``KVCACHED_ENGINE_NAME``, else the model's last path part and a tag
+    unique among the host's live processes, containers included)."""
     model = getattr(vllm_config, "model_config", None)
     served = getattr(model, "served_model_name", None) or getattr(model, "model", None) or "engine"
     if isinstance(served, (list, tuple)):
         served = served[0] if served else "engine"
-    suffix = f"-{os.getpid()}"
-    base = os.path.basename(str(served).rstrip("/")) or "engine"
-    return base.encode()[: NAME_BYTES - len(suffix)].decode(errors="ignore") + suffix
+    return default_engine_name(str(served))
 
 
 def join_budgets(name: str, layouts: list[RankLayout], rank_page_bytes: int) -> EngineBudget | None:
