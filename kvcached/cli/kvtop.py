@@ -4,7 +4,11 @@ Per engine, one bar on a common scale: in-use bytes (solid), reserved idle bytes
 and its limit (a marker); beside it the device's global limit. Refreshes in place (rich's
 Live display, no flicker) every --interval seconds until Ctrl-C.
 
-Exit codes: 0 done, 1 no record or a record refused (a message says why), 2 bad usage.
+A record that cannot be read is shown as such, with its file and why (a panel of its own;
+with --json an entry with its "error"); the others are still shown.
+
+Exit codes: 0 done; 1 no record, or a record unreadable (--once, --json: a message says
+which and why); 2 bad usage (one line).
 """
 
 from __future__ import annotations
@@ -15,7 +19,18 @@ import sys
 import time
 from collections.abc import Sequence
 
-from kvcached.cli.records import DeviceView, EngineView, human, read_all, record_paths
+from kvcached.cli.records import (
+    FAILED,
+    OK,
+    DeviceView,
+    EngineView,
+    Parser,
+    Unreadable,
+    human,
+    parse_interval,
+    read_all,
+    record_paths,
+)
 from kvcached.errors import ConfigError
 
 
@@ -41,16 +56,23 @@ def _bar(e: EngineView, scale: int, width: int):  # -> rich.text.Text
     return text
 
 
-def render(views: list[DeviceView], width: int = 120):  # -> rich.console.Group
-    """One panel per device; the bars take what ``width`` columns leave after the numbers."""
+def render(shown: list[DeviceView | Unreadable], width: int = 120):  # -> rich.console.Group
+    """One panel per device (an unreadable record's says why); the bars take what ``width``
+    columns leave after the numbers."""
     from rich.console import Group
     from rich.panel import Panel
     from rich.table import Table
+    from rich.text import Text
 
     panels = []
+    views = [v for v in shown if isinstance(v, DeviceView)]
     names = max([6, *(len(e.name) + 5 for v in views for e in v.engines)])
     bar = max(8, width - names - 3 * 11 - 10)
-    for v in views:
+    for v in shown:
+        if isinstance(v, Unreadable):
+            panels.append(Panel(Text(v.error, style="red"), title=f"{v.device}: [bold red]unreadable record[/]",
+                                subtitle=v.path, title_align="left"))
+            continue
         scale = max([v.limit or 0, v.used, *(e.limit or 0 for e in v.engines), 1])
         table = Table(expand=True, box=None, pad_edge=False)
         table.add_column("engine", no_wrap=True, min_width=names)
@@ -72,50 +94,57 @@ def render(views: list[DeviceView], width: int = 120):  # -> rich.console.Group
     return Group(*panels) if panels else Group("no engines")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvtop", description=__doc__.split("\n\n")[0],
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def _parser() -> Parser:
+    parser = Parser(prog="kvtop", description=__doc__.split("\n\n")[0],
+                    epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", help="one budget record (default: every record in the per-user folder)")
     parser.add_argument("--dir", help="the folder of records (default: the per-user one)")
-    parser.add_argument("--interval", type=float, default=0.5, help="seconds between refreshes (default 0.5)")
+    parser.add_argument("--interval", type=parse_interval, default=0.5,
+                        help="seconds between refreshes, in (0, 3600] (default 0.5)")
     parser.add_argument("--once", action="store_true", help="print one frame and exit")
     parser.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
     return parser
 
 
+def _once(views: list[DeviceView | Unreadable], console, *, as_json: bool) -> int:
+    """One snapshot (a frame, or JSON); each unreadable record is also one line on stderr."""
+    unreadable = [v for v in views if isinstance(v, Unreadable)]
+    for v in unreadable:
+        print(f"kvtop: {v.line()}", file=sys.stderr)
+    if as_json:
+        print(json.dumps([v.to_json() for v in views], indent=2))
+    else:
+        console.print(render(views, console.width))
+    return FAILED if unreadable else OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if not args.interval > 0:
-        _parser().error(f"--interval must be > 0 seconds, got {args.interval}")
     try:
         from rich.console import Console
         from rich.live import Live
     except ImportError:
         print("kvtop: needs the 'rich' package (pip install 'kvcached[cli]')", file=sys.stderr)
-        return 1
+        return FAILED
     try:
         paths = record_paths(args.path, args.dir)
         if not paths:
             raise ConfigError("no budget record found: no kvcached engine has run as this user (or pass --path / --dir)")
         views = read_all(paths)
-        if args.json:
-            print(json.dumps([v.to_json() for v in views], indent=2))
-            return 0
         console = Console()
-        if args.once:
-            console.print(render(views, console.width))
-            return 0
+        if args.json or args.once:
+            return _once(views, console, as_json=args.json)
         with Live(render(views, console.width), console=console, auto_refresh=False, screen=False) as live:
             while True:
                 time.sleep(args.interval)
                 views = read_all(record_paths(args.path, args.dir))
                 live.update(render(views, console.width), refresh=True)
     except KeyboardInterrupt:
-        return 0
+        return OK
     except ConfigError as e:
         print(f"kvtop: {e}", file=sys.stderr)
-        return 1
+        return FAILED
 
 
 if __name__ == "__main__":

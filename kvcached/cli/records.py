@@ -1,26 +1,45 @@
-"""What both tools show: every budget record found, decoded into plain rows."""
+"""What both tools show: every budget record found, decoded into plain rows (or, for a record
+that cannot be read, why), and what both tools share about their command lines."""
 
 from __future__ import annotations
 
+import argparse
 import glob
+import math
 import os
-import re
 from dataclasses import asdict, dataclass
+from typing import NoReturn
 
 from kvcached.budget import BudgetRecord, Snapshot, default_dir
+from kvcached.config import parse_bytes as _parse_bytes
 from kvcached.errors import ConfigError
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+#: Exit codes of both tools: done; nothing to act on, or a record refused or unreadable (a
+#: message says which and why); bad usage (any bad argument: one line, nothing changed).
+OK, FAILED, USAGE = 0, 1, 2
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (``kvctl: ...``) and exit code `USAGE`."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def parse_bytes(text: str) -> int:
-    """``1048576``, ``512MiB``, ``2G`` (binary), ``2GB`` (decimal) -> bytes; ConfigError otherwise."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ConfigError(f"{text!r} is not a byte size (examples: 1048576, 512MiB, 2G)")
-    return int(float(match.group(1)) * _UNITS[unit])
+    """A SIZE argument in bytes (`kvcached.config.parse_bytes`: the rule the variables use)."""
+    return _parse_bytes("SIZE", text)
+
+
+def parse_interval(text: str) -> float:
+    """kvtop's ``--interval``: finite seconds in (0, 3600] (``inf`` would never refresh)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 < value <= 3600.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds in (0, 3600]")
+    return value
 
 
 def human(n: int | None) -> str:
@@ -63,7 +82,7 @@ class DeviceView:
     unclaimed: int
 
     def to_json(self) -> dict[str, object]:
-        data = asdict(self)
+        data: dict[str, object] = {**asdict(self), "error": None}
         data["engines"] = [{**asdict(e), "over_limit": e.over} for e in self.engines]
         return data
 
@@ -75,8 +94,32 @@ def view(snap: Snapshot) -> DeviceView:
         claimed.update(e.slots)
         engines.append(EngineView(e.name, e.pid, snap.charge_of(e), e.in_use, e.reserved, e.limit, len(e.slots)))
     unclaimed = sum(s.charge for s in snap.slots if s.index not in claimed)
-    device = os.path.basename(snap.path).removesuffix(".budget")
-    return DeviceView(snap.path, device, snap.limit, snap.used, tuple(engines), unclaimed)
+    return DeviceView(snap.path, device_of(snap.path), snap.limit, snap.used, tuple(engines), unclaimed)
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A record that could not be read (corrupt, foreign, of another version, gone): shown
+    as such, so that one bad file hides no other device."""
+
+    path: str
+    device: str
+    error: str
+
+    def line(self) -> str:
+        """One line naming the file and why."""
+        why = self.error if self.path in self.error else f"{self.path}: {self.error}"
+        return f"{self.device}: unreadable record, not listed: {why}"
+
+    def to_json(self) -> dict[str, object]:
+        """A device's keys (nothing known: None, no engines) with the error beside them."""
+        return {"path": self.path, "device": self.device, "limit": None, "used": None, "engines": [],
+                "unclaimed": None, "error": self.error}
+
+
+def device_of(path: str) -> str:
+    """A record's device, as the tools name it: its file name less ``.budget``."""
+    return os.path.basename(path).removesuffix(".budget")
 
 
 def record_paths(path: str | None, folder: str | None) -> list[str]:
@@ -86,10 +129,28 @@ def record_paths(path: str | None, folder: str | None) -> list[str]:
     return sorted(glob.glob(os.path.join(folder or default_dir(), "*.budget")))
 
 
-def read_all(paths: list[str]) -> list[DeviceView]:
-    """Each record's view (BudgetRecordError or ConfigError if one cannot be read)."""
-    views = []
-    for p in paths:
-        with BudgetRecord(p, create=False) as record:
-            views.append(view(record.snapshot()))
-    return views
+def select(paths: list[str], device: str | None) -> list[str]:
+    """The records ``device`` names (its name, or a prefix of one name only); all without it.
+    A selector that names none, or several, is a `ConfigError` listing the choices."""
+    if device is None:
+        return paths
+    exact = [p for p in paths if device_of(p) == device]
+    chosen = exact or [p for p in paths if device_of(p).startswith(device)]
+    if len(chosen) != 1:
+        what = "names no record" if not chosen else "names more than one record"
+        raise ConfigError(f"--device {device!r} {what}; records: {', '.join(map(device_of, paths)) or 'none'}")
+    return chosen
+
+
+def read(path: str) -> DeviceView | Unreadable:
+    """One record's view, or why it cannot be read (the typed errors of `BudgetRecord`)."""
+    try:
+        with BudgetRecord(path, create=False) as record:
+            return view(record.snapshot())
+    except ConfigError as e:  # BudgetRecordError included; the record is gone or refused
+        return Unreadable(path, device_of(path), str(e))
+
+
+def read_all(paths: list[str]) -> list[DeviceView | Unreadable]:
+    """Each record's view, in order; an unreadable one is reported in its place."""
+    return [read(p) for p in paths]
