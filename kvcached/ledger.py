@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection, Iterable, Iterator, Sequence
 
+from kvcached.budget import limiter_failure
 from kvcached.errors import ConfigError, InvariantError
 from kvcached.pages import PagePool
 from kvcached.stats import PoolStats
@@ -448,6 +449,7 @@ class BlockLedger:
             unmap_failures=c.unmap_failures,
             quarantined_pages=c.quarantined_pages,
             health=c.health.value,
+            budget_error=limiter_failure(self.pool.limiter),
         )
 
     def note_admission_miss(self) -> None:

@@ -32,7 +32,9 @@ class PoolStats:
     or a rank refused; ``quarantined_pages`` are the pages waiting for a successful retry
     (never handed out meanwhile, still held). ``health`` is ``"healthy"``, ``"degraded"``
     (pages quarantined) or ``"failed"`` (the quarantine resisted every retry so far; see
-    `kvcached.pages.PoolHealth`).
+    `kvcached.pages.PoolHealth`). ``budget_error`` says why the engine's budget record
+    cannot be read now (``""`` while it can): the pool then serves on with the pages it has
+    mapped and maps no more until the record is readable again (`kvcached.budget`).
     """
 
     mapped_bytes: int
@@ -53,6 +55,7 @@ class PoolStats:
     unmap_failures: int = 0
     quarantined_pages: int = 0
     health: str = "healthy"
+    budget_error: str = ""
 
     @property
     def reserve_hit_rate(self) -> float:

@@ -53,6 +53,47 @@ def start_holder(path: Path, nbytes: int, prefix: tuple[str, ...] = ()) -> subpr
     return proc
 
 
+# A child that takes the steps it reads, one a line: "open LIMIT" opens the record with that
+# limit ("-": none), "claim LIMIT" claims a slot asking for it; each is answered "ok <the
+# record's limit>" or "conflict". Two of them interleave two engines' starts step by step.
+STEPPER = textwrap.dedent("""
+    import sys
+    from kvcached.budget import BudgetConflict, BudgetRecord
+    record = None
+    for line in sys.stdin:
+        step, arg = line.split()
+        limit = None if arg == "-" else int(arg)
+        try:
+            if step == "open":
+                record = BudgetRecord(sys.argv[1], limit=limit)
+            elif limit is None:
+                record.slot(rank=0, device="cpu")
+            else:
+                record.slot(rank=0, device="cpu", limit=limit)
+            print("ok", record.snapshot().limit, flush=True)
+        except BudgetConflict:
+            print("conflict", flush=True)
+""")
+
+
+class Stepper:
+    """A child process taking `STEPPER`'s steps when told."""
+
+    def __init__(self, path: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", STEPPER, str(path)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def do(self, step: str, limit: int | None) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{step} {'-' if limit is None else limit}\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait(TIMEOUT)
+
+
 def space(charger: object, pages: int = 8) -> PageSpace:
     vrange = _vmm.VirtualRange("cpu", pages * PAGE, PAGE)
     return PageSpace((vrange,), (1,), pages, charger)  # type: ignore[arg-type]
@@ -148,6 +189,80 @@ def test_a_reused_pid_does_not_keep_a_dead_charge(tmp_path: Path) -> None:
         assert record.snapshot().used == 0
 
 
+# A child caught closing its record between freeing its slot and dropping the slot's lock:
+# the slot is free in the record, its lock still held (what an earlier close left for a
+# moment, and what a record restored from before a claim shows).
+MID_CLOSE = textwrap.dedent("""
+    import fcntl, os, sys, time
+    from kvcached import budget as kb
+    fd = os.open(sys.argv[1], os.O_RDWR)
+    kb._ofd(fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK, kb._SLOT_LOCKS + 0)
+    print("ready", flush=True)
+    time.sleep(600)
+""")
+
+# A child whose close pauses at the write that frees its slot, until told to go on.
+PAUSED_CLOSE = textwrap.dedent("""
+    import os, sys
+    from kvcached.budget import BudgetRecord
+    record = BudgetRecord(sys.argv[1])
+    print(record.slot(rank=0, device="cpu").index, flush=True)
+    write = os.pwrite
+    def paused(fd, data, offset):
+        print("writing", flush=True)
+        sys.stdin.readline()
+        return write(fd, data, offset)
+    sys.stdin.readline()
+    os.pwrite = paused
+    record.close()
+    print("closed", flush=True)
+""")
+
+
+def test_a_claim_while_another_process_closes_takes_another_slot(tmp_path: Path) -> None:
+    """A process claiming slot 0 while its last owner is mid-close (free in the record, the
+    lock still held) got a bare OSError (EAGAIN from F_OFD_SETLK), and its worker failed to
+    start. Now that slot is skipped, as the live entry it still is."""
+    path = tmp_path / "b"
+    BudgetRecord(str(path)).close()
+    closing = subprocess.Popen([sys.executable, "-c", MID_CLOSE, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert closing.stdout is not None and closing.stdout.readline().strip() == "ready"
+        with BudgetRecord(str(path)) as record:
+            assert record.slot(rank=0, device="cpu").index == 1
+    finally:
+        closing.kill()
+        closing.wait(TIMEOUT)
+    with BudgetRecord(str(path)) as record:
+        assert record.slot(rank=0, device="cpu").index == 0, "free again once its owner is gone"
+
+
+def test_a_closing_process_drops_its_lock_before_its_slot_shows_free(tmp_path: Path) -> None:
+    """`close` freed the slot in one transaction and dropped its lock after: in between, a
+    claimer found the slot free and its lock taken. Now the write that frees it comes after
+    the lock is dropped (checked from another process at that very write)."""
+    path = tmp_path / "b"
+    with BudgetRecord(str(path)) as watcher:
+        child = subprocess.Popen([sys.executable, "-c", PAUSED_CLOSE, str(path)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        assert child.stdin is not None and child.stdout is not None
+        try:
+            index = int(child.stdout.readline())
+            assert kb._held_elsewhere(watcher._fd, kb._SLOT_LOCKS + index), "held while live"
+            child.stdin.write("close\n")
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == "writing"
+            held = kb._held_elsewhere(watcher._fd, kb._SLOT_LOCKS + index)
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == "closed"
+        finally:
+            child.kill()
+            child.wait(TIMEOUT)
+        assert not held, "the slot's lock was still held when the record showed it free"
+        assert watcher.snapshot(include_dead=True).slots == ()
+
+
 def _unshare_available() -> bool:
     if shutil.which("unshare") is None:
         return False
@@ -202,20 +317,91 @@ def test_a_second_engine_cannot_silently_replace_the_limit(tmp_path: Path) -> No
     assert BudgetRecord(path, limit=2 * PAGE).snapshot().limit == 2 * PAGE  # nobody live: a new epoch
 
 
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize("order", ["A claims first", "B claims first", "open_slot's steps, B claims first"])
+def test_a_concurrent_start_never_silently_replaces_a_limit(tmp_path: Path, order: str) -> None:
+    """Engine A opens the record asking for 1 GiB and claims its slot in a later step;
+    engine B, asking for 8 GiB, opens in between. Before, B's limit replaced A's and A ran
+    under it. Now whichever claims second is refused with `BudgetConflict`, and the first
+    runs under its own limit. The steps are driven one by one, in two processes."""
+    path = tmp_path / "b"
+    a, b = Stepper(path), Stepper(path)
+    try:
+        if order.startswith("open_slot"):  # `open_slot`: open asking nothing, ask at the claim
+            assert a.do("open", None) == b.do("open", None) == "ok None"
+            assert b.do("claim", 8 * GiB) == f"ok {8 * GiB}"
+            assert a.do("claim", GiB) == "conflict"
+        else:
+            assert a.do("open", GiB) == f"ok {GiB}"
+            assert b.do("open", 8 * GiB) == f"ok {8 * GiB}"  # nobody live yet: its ask stands, for now
+            first, second, limit = (a, b, GiB) if order == "A claims first" else (b, a, 8 * GiB)
+            assert first.do("claim", None) == f"ok {limit}"
+            assert second.do("claim", None) == "conflict", "the second claimer is refused, not switched"
+        with BudgetRecord(str(path)) as record:
+            assert len(record.snapshot().slots) == 1, "only the first claimer is live"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_stale_limit_never_caps_a_later_default_engine(tmp_path: Path) -> None:
+    """A record outlives its engines (``/dev/shm``). An engine started with 1 GiB left it
+    as the record's limit, and every later engine without an explicit limit was capped by
+    it (a CPU engine's derived default was min(that, available memory)). Now with nobody
+    live a claim starts a new epoch: its own default applies. A device limit set by hand
+    (``kvctl limit --global``) still does."""
+    path = tmp_path / "b"
+
+    def an_earlier_run_with_1_gib() -> None:
+        script = f"from kvcached.budget import open_slot; open_slot({str(path)!r}, {GiB}, 'cpu', rank=0)"
+        run = subprocess.run([sys.executable, "-c", script], check=False, timeout=TIMEOUT)
+        assert run.returncode == 0
+        with BudgetRecord(str(path)) as record:
+            assert record.snapshot().limit == GiB and record.snapshot().slots == (), "what the earlier run left"
+
+    an_earlier_run_with_1_gib()
+    opened = kb.open_slot(str(path), None, "cpu", rank=0, default_limit=8 * GiB)
+    assert opened is not None
+    record, _ = opened
+    assert record.snapshot().limit == 8 * GiB, "the earlier run's 1 GiB is not inherited"
+    record.close()
+    an_earlier_run_with_1_gib()
+    assert kb.expected_limit(str(path), "cpu", 8 * GiB) == 8 * GiB  # what the worker reports to vLLM
+    gpu = kb.open_slot(str(path), None, "cpu", rank=0)  # no default (a GPU): no limit
+    assert gpu is not None and gpu[0].snapshot().limit is None
+    gpu[0].set_limit(2 * GiB)  # by hand: the device limit
+    gpu[0].close()
+    assert kb.expected_limit(str(path), "cpu", 8 * GiB) == 2 * GiB
+    again = kb.open_slot(str(path), None, "cpu", rank=0, default_limit=8 * GiB)
+    assert again is not None and again[0].snapshot().limit == 2 * GiB
+    again[0].close()
+
+
 def test_a_default_limit_applies_only_with_nobody_live_and_only_lowers(tmp_path: Path) -> None:
-    """A CPU host's derived budget (`kvcached.host`): it sets the limit of a record nobody
-    holds, lowers a higher one left from before, keeps a lower one, and joins live engines'."""
+    """A CPU host's derived budget (`kvcached.host`), offered at the claim: it sets the limit
+    of a record nobody holds, is lowered by a device limit (``kvctl limit --global``), and
+    joins live engines'."""
     path = str(tmp_path / "b")
-    assert BudgetRecord(path, default_limit=8 * PAGE).snapshot().limit == 8 * PAGE  # none before
-    assert BudgetRecord(path, default_limit=16 * PAGE).snapshot().limit == 8 * PAGE  # lower stays
-    assert BudgetRecord(path, default_limit=4 * PAGE).snapshot().limit == 4 * PAGE  # higher lowered
-    with BudgetRecord(path) as live:
-        live.slot(rank=0, device="cpu")
-        assert BudgetRecord(path, default_limit=PAGE).snapshot().limit == 4 * PAGE, "live: joined"
+    with BudgetRecord(path) as first:
+        first.slot(rank=0, device="cpu", default_limit=8 * PAGE)
+        assert first.snapshot().limit == 8 * PAGE  # none before
+        with BudgetRecord(path) as joining:
+            joining.slot(rank=0, device="cpu", default_limit=PAGE)
+            assert joining.snapshot().limit == 8 * PAGE, "live: joined"
+        first.set_limit(4 * PAGE)  # kvctl: the live limit, and the device limit from now on
+    with BudgetRecord(path) as later:
+        later.slot(rank=0, device="cpu", default_limit=16 * PAGE)
+        assert later.snapshot().limit == 4 * PAGE, "the device limit is lower: it stays"
+    with BudgetRecord(path) as later:
+        later.slot(rank=0, device="cpu", default_limit=2 * PAGE)
+        assert later.snapshot().limit == 2 * PAGE, "the default is lower: it applies"
+        assert later.snapshot().device_limit == 4 * PAGE, "and the device limit is kept for later"
     with pytest.raises(ConfigError, match="not both"):
-        BudgetRecord(path, limit=PAGE, default_limit=PAGE)
-    with pytest.raises(ConfigError, match=">= 0"):
-        BudgetRecord(path, default_limit=-1)
+        BudgetRecord(path).slot(rank=0, device="cpu", limit=PAGE, default_limit=PAGE)
+    with pytest.raises(ConfigError, match=">= 0|within"):
+        BudgetRecord(path).slot(rank=0, device="cpu", default_limit=-1)
 
 
 def test_lowering_the_limit_below_usage_takes_nothing_and_refuses_more(tmp_path: Path) -> None:
@@ -265,6 +451,48 @@ def test_the_record_is_private_to_its_user(tmp_path: Path) -> None:
             BudgetRecord(str(path))
 
 
+def test_a_fresh_per_user_folder_is_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVCACHED_BUDGET_DIR", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    opened = kb.open_slot(None, None, "cpu", rank=0)
+    assert opened is not None
+    opened[0].close()
+    folder = tmp_path / f"kvcached-{os.geteuid()}"
+    assert kb.default_path("host") == str(folder / "host.budget") and (folder / "host.budget").is_file()
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize("planted", ["another user's", "world-writable", "group-writable", "a symbolic link"])
+def test_a_per_user_folder_someone_else_could_change_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                planted: str) -> None:
+    """The default folder is a name in a world-writable folder (``/dev/shm``): another user
+    could create it first, and then remove, rename or plant the records in it. It is
+    refused, saying why, unless it is this user's alone."""
+    monkeypatch.delenv("KVCACHED_BUDGET_DIR", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    folder = tmp_path / f"kvcached-{os.geteuid()}"
+    if planted == "a symbolic link":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        folder.symlink_to(tmp_path / "elsewhere")
+        why = "symbolic link"
+    else:
+        folder.mkdir(mode=0o700)
+        if planted == "another user's":
+            if os.geteuid() != 0:
+                pytest.skip("only root can give a folder away")
+            os.chown(folder, 12345, 12345)
+            why = "belongs to uid 12345"
+        else:
+            mode = 0o777 if planted == "world-writable" else 0o770
+            folder.chmod(mode)
+            why = f"mode {mode:o}"
+    with pytest.raises(kb.BudgetFolderError, match=why):
+        kb.open_slot(None, None, "cpu", rank=0)
+    with pytest.raises(kb.BudgetFolderError, match=why):
+        BudgetRecord(kb.default_path("host"), create=False)  # kvctl's read: refused alike
+    assert not (tmp_path / "elsewhere" / "host.budget").exists(), "nothing was written through the link"
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "extend", "magic", "version", "empty-foreign"])
 def test_a_damaged_record_is_a_clear_error(tmp_path: Path, damage: str) -> None:
     path = tmp_path / "b"
@@ -289,14 +517,15 @@ def test_a_damaged_record_is_a_clear_error(tmp_path: Path, damage: str) -> None:
 
 
 def test_a_record_damaged_while_open_fails_the_next_read(tmp_path: Path) -> None:
+    """A tool's read (`snapshot`, what kvctl does) raises, naming the damage; a live slot's
+    charge is refused instead (see tests/test_budget_degrades.py)."""
     path = tmp_path / "b"
     record = BudgetRecord(str(path), limit=4 * PAGE)
     slot = record.slot(rank=0, device="cpu")
     os.truncate(path, 10)
     with pytest.raises(BudgetRecordError, match="truncated"):
-        slot.charge(PAGE)
-    with pytest.raises(BudgetRecordError):
         record.snapshot()
+    assert not slot.charge(PAGE) and record.failure is not None and "truncated" in record.failure
     record.close()  # silent even now
 
 

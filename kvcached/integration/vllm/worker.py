@@ -146,7 +146,7 @@ from typing import Any
 import torch
 
 from kvcached import space as _space
-from kvcached.budget import BudgetRecord, Slot, open_slot, record_path
+from kvcached.budget import BudgetRecord, Slot, expected_limit, open_slot, record_path
 from kvcached.config import KvcachedConfig
 from kvcached.copy import copy_blocks
 from kvcached.errors import ConfigError, CopyValidationError, IntegrationError
@@ -678,17 +678,17 @@ def physical_cap_bytes(config: KvcachedConfig | None = None, device: str = "cpu"
     """The physical bytes this engine's KV pages may ever occupy, or None (no limit).
 
     ``budget_bytes`` wins (the engine will ask the device's record for exactly that limit).
-    Otherwise the lower of the global limit the device's record already has (if the record
-    exists) and, on CPU, the host budget the engine would derive now (`_host_default`).
+    Otherwise the lower of the limit its claim would be under (`kvcached.budget.expected_limit`:
+    live engines' limit, else the device limit; never a stale one an earlier engine left)
+    and, on CPU, the host budget the engine would derive now (`_host_default`).
     """
     config = config if config is not None else KvcachedConfig.resolve()
     if config.budget_bytes is not None:
         return config.budget_bytes
-    path = record_path(config.budget_path, device)
-    limits = [] if path is None else [_host_default(config, device)]
-    if path is not None and os.path.exists(path):
-        with BudgetRecord(path, create=False) as record:
-            limits.append(record.snapshot().limit)
+    if record_path(config.budget_path, device) is None:
+        return None  # budgets off: nothing is limited
+    default = _host_default(config, device)
+    limits = [default, expected_limit(config.budget_path, device, default)]
     known = [limit for limit in limits if limit is not None]
     return min(known) if known else None
 
