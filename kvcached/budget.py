@@ -97,7 +97,9 @@ _T = TypeVar("_T")
 VERSION = 3
 MAGIC = b"KVCBUDGT"
 NO_LIMIT = (1 << 64) - 1  # the on-disk value of "no limit"
-#: The largest byte count the record holds (a limit, a charge); above it values are reserved.
+#: The largest byte count the record holds (a limit, a charge): above it values are reserved
+#: (`NO_LIMIT` means "no limit"), and a size at or above ``2**64`` cannot be stored at all.
+#: The one bound: `kvcached.config` checks settings and the CLI's sizes against it.
 MAX_BYTES = NO_LIMIT // 2
 NUM_SLOTS = 64
 NUM_ENGINES = 32

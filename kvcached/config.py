@@ -18,16 +18,11 @@ from dataclasses import dataclass, fields
 from fractions import Fraction
 from typing import Any
 
-from kvcached.budget import NAME_BYTES, NO_LIMIT
+from kvcached.budget import MAX_BYTES, NAME_BYTES
 from kvcached.errors import ConfigError
 from kvcached.host import parse_reserve
 
 MiB = 1 << 20
-
-#: The largest byte count a budget limit may be: what the record holds as a number. Above
-#: it the record's values are reserved (``2**64 - 1`` means "no limit"), and a size at or
-#: above ``2**64`` cannot be stored at all.
-MAX_BYTES = NO_LIMIT // 2
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
