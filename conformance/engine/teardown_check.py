@@ -40,7 +40,7 @@ def facts(record_path: Path | None, memfds_before: int, settle_s: float = SETTLE
         if (not live and not children) or time.monotonic() - t0 > settle_s:
             break
         time.sleep(0.1)
-    from kvcached.integration.vllm.worker import registered_rank_kv
+    from kvcached.integration.vllm.rank_kv import registered_rank_kv
 
     return TeardownFacts(record_live_slots=live, record_charged_bytes=charged,
                          registered_spaces=len(registered_rank_kv()), memfds_before=memfds_before,

@@ -22,7 +22,7 @@ class RankFacts:
 
     def kvcached_rank_facts(self) -> dict[str, object]:
         import kvcached
-        from kvcached.integration.vllm.worker import registered_rank_kv
+        from kvcached.integration.vllm.rank_kv import registered_rank_kv
 
         spaces = registered_rank_kv()
         return {

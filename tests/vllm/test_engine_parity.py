@@ -169,7 +169,7 @@ def _only_pool_stats() -> dict[str, int | str]:
 
 def _worker_ranges() -> list[Any]:
     """The virtual ranges the worker seam registered in this (in-process) engine."""
-    from kvcached.integration.vllm.worker import registered_rank_kv
+    from kvcached.integration.vllm.rank_kv import registered_rank_kv
 
     return [r for kv in registered_rank_kv() for r in kv.space.ranges]
 

@@ -44,7 +44,7 @@ from conformance.engine_env import without_kvcached
 from conformance.vllm_series import attention_block_size
 from kvcached.budget import BudgetRecord
 from kvcached.host import read_host_memory
-from kvcached.integration.vllm import worker
+from kvcached.integration.vllm import capacity, worker
 from kvcached.integration.vllm.capabilities import detect
 
 _vmm = pytest.importorskip("kvcached._vmm", reason="native extension not built")
@@ -200,21 +200,21 @@ def test_physical_cap_sources(seams: pytest.MonkeyPatch, tmp_path: Path) -> None
     path = tmp_path / "arena"
     seams.setenv("KVCACHED_BUDGET_PATH", str(path))
     seams.setenv("KVCACHED_HOST_RESERVE", "1073741824")
-    derived = worker.physical_cap_bytes()  # no record yet: the host budget an engine would derive
+    derived = capacity.physical_cap_bytes()  # no record yet: the host budget an engine would derive
     assert derived is not None and abs(derived - (read_host_memory().available - (1 << 30))) < 256 * MiB
     seams.setenv("KVCACHED_HOST_RESERVE", "off")
-    assert worker.physical_cap_bytes() is None  # no record, nothing derived: no limit
+    assert capacity.physical_cap_bytes() is None  # no record, nothing derived: no limit
     seams.setenv("KVCACHED_BUDGET_PATH", "off")
     seams.delenv("KVCACHED_HOST_RESERVE")
-    assert worker.physical_cap_bytes() is None  # budgets off: nothing is limited
+    assert capacity.physical_cap_bytes() is None  # budgets off: nothing is limited
     seams.setenv("KVCACHED_BUDGET_PATH", str(path))
     assert not path.exists()
     BudgetRecord(str(path), limit=3 * MiB).close()
-    assert worker.physical_cap_bytes() == 3 * MiB  # the shared record's limit
+    assert capacity.physical_cap_bytes() == 3 * MiB  # the shared record's limit
     seams.setenv("KVCACHED_BUDGET_BYTES", str(5 * MiB))
-    assert worker.physical_cap_bytes() == 5 * MiB  # explicit bytes win (the engine asks the record for them)
-    assert worker.capped_kv_bytes(4 * MiB) == 4 * MiB
-    assert worker.capped_kv_bytes(9 * MiB) == 5 * MiB
+    assert capacity.physical_cap_bytes() == 5 * MiB  # explicit bytes win (the engine asks the record for them)
+    assert capacity.capped_kv_bytes(4 * MiB) == 4 * MiB
+    assert capacity.capped_kv_bytes(9 * MiB) == 5 * MiB
 
 
 def _snapshot(total: int, free: int) -> SimpleNamespace:
@@ -243,7 +243,7 @@ def test_gpu_determine_available_memory_is_capped(seams: pytest.MonkeyPatch) -> 
     installed = gpu_worker.Worker.determine_available_memory
     assert installed.__wrapped__.__qualname__ == "Worker.determine_available_memory"  # type: ignore[attr-defined]
     assert installed is not installed.__wrapped__  # type: ignore[attr-defined]
-    profiled = worker._wrap_gpu_determine(lambda self: 64 * MiB)  # vLLM's profiling result
+    profiled = capacity._wrap_gpu_determine(lambda self: 64 * MiB)  # vLLM's profiling result
     gpu = SimpleNamespace(device="cuda:0")
     seams.setenv("KVCACHED_BUDGET_PATH", "off")  # no record (reading one would ask the driver for the GPU's UUID)
     assert profiled(gpu) == 64 * MiB

@@ -42,7 +42,7 @@ def _child(scenario: str) -> dict[str, object]:
     try:
         llm = build_llm(engine_kwargs("llama"), want_async=False)
     except Exception as e:  # noqa: BLE001 - how the start failed is the result
-        from kvcached.integration.vllm.worker import registered_rank_kv
+        from kvcached.integration.vllm.rank_kv import registered_rank_kv
 
         return {"started": False, "error": f"{type(e).__name__}: {e}", "spaces": len(registered_rank_kv())}
     pools = len(pool_stats())

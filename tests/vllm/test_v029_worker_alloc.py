@@ -21,7 +21,7 @@ from worker_env import registered_space, worker_installed
 from kvcached import space
 from kvcached.copy import copy_stats, reset_copy_stats
 from kvcached.errors import IntegrationError
-from kvcached.integration.vllm import worker
+from kvcached.integration.vllm import allocation, rank_kv, worker
 from kvcached.integration.vllm.capabilities import detect
 from kvcached.views import get_meta
 
@@ -71,7 +71,7 @@ def build(config: KVCacheConfig, layout: KVCacheLayout, kernel_block_sizes: list
     native = utils.allocate_kv_cache(config, CPU, layout, kernel_block_sizes)
     kv = gpu_model_runner.allocate_kv_cache(config, CPU, layout, kernel_block_sizes)
     published = registered_space(next(iter(kv.values()))) if kv else None
-    assert published is not None and published.premapped == {worker.NULL_BLOCK_PAGE}
+    assert published is not None and published.premapped == {rank_kv.NULL_BLOCK_PAGE}
     assert published.config is not None and published.config.page_size == published.geometry.page_size
     bases = {r.address for r in published.ranges}
     assert kv.keys() == native.keys()
@@ -196,16 +196,16 @@ def test_head_outer_layout_is_refused() -> None:
                            kv_cache_groups=[KVCacheGroupSpec(["l0"], ATTN)])
     with pytest.raises(IntegrationError, match="own row"):
         gpu_model_runner.allocate_kv_cache(config, CPU, layout, None)
-    assert not worker.registered_rank_kv()
+    assert not rank_kv.registered_rank_kv()
 
 
 def test_profiling_allocation_is_plain_memory() -> None:
     layout = KVCacheLayout.LBHNC
     config = KVCacheConfig(num_blocks=N, kv_cache_tensors=[tensor(ATTN, ["l0"], layout, N * P)],
                            kv_cache_groups=[KVCacheGroupSpec(["l0"], ATTN)])
-    mark = worker._wrap_profiling(lambda self: gpu_model_runner.allocate_kv_cache(config, CPU, layout, None))
+    mark = allocation._wrap_profiling(lambda self: gpu_model_runner.allocate_kv_cache(config, CPU, layout, None))
     kv = mark(object())
-    assert not worker.registered_rank_kv()  # nothing published
+    assert not rank_kv.registered_rank_kv()  # nothing published
     assert get_meta(kv["l0"]) is None and torch.count_nonzero(kv["l0"]) == 0  # vLLM's torch.zeros
 
 
@@ -218,6 +218,6 @@ def test_disabled_is_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     config = KVCacheConfig(num_blocks=N, kv_cache_tensors=[tensor(ATTN, ["l0", "l1"], layout, 2 * N * P)],
                            kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], ATTN)])
     kv = gpu_model_runner.allocate_kv_cache(config, CPU, layout, None)
-    assert not worker.registered_rank_kv()
+    assert not rank_kv.registered_rank_kv()
     assert kv["l0"].untyped_storage().data_ptr() == kv["l1"].untyped_storage().data_ptr()  # one buffer
     assert kv["l0"].untyped_storage().nbytes() == 2 * N * P and get_meta(kv["l0"]) is None

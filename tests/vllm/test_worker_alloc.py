@@ -43,7 +43,7 @@ from kvcached import space
 from kvcached.budget import BudgetRecord
 from kvcached.copy import copy_stats, reset_copy_stats
 from kvcached.errors import ConfigError, IntegrationError
-from kvcached.integration.vllm import worker
+from kvcached.integration.vllm import allocation, capacity, engine_config, rank_kv
 from kvcached.views import get_meta
 
 pytest.importorskip("kvcached._vmm", reason="native extension not built")
@@ -85,7 +85,7 @@ def build(config: KVCacheConfig, groups: list[tuple[Any, type, list[str]]]) -> t
         tensor = raw[t.shared_by[0]]
         assert tensor.dtype == torch.int8 and tensor.numel() == t.size
         assert tensor.untyped_storage().data_ptr() in {r.address for r in published.ranges}
-    assert published.premapped == {worker.NULL_BLOCK_PAGE}
+    assert published.premapped == {rank_kv.NULL_BLOCK_PAGE}
     assert published.config is not None and published.config.page_size == published.geometry.page_size
     vmm = published.geometry.vmm_pages
     assert [r.mapped_pages() for r in published.ranges] == [list(range(k)) for k in vmm]
@@ -214,9 +214,9 @@ def test_profiling_kv_cache_is_plain_memory() -> None:
     )
     runner = make_runner(config, [(ATTN, CPUAttentionBackend, ["l0"])])
     forget_all()
-    mark = worker._wrap_profiling(lambda self: GPUModelRunner._allocate_kv_cache_tensors(self, config))
+    mark = allocation._wrap_profiling(lambda self: GPUModelRunner._allocate_kv_cache_tensors(self, config))
     raw = mark(runner)
-    assert not worker.registered_rank_kv()  # nothing registered
+    assert not rank_kv.registered_rank_kv()  # nothing registered
     assert torch.count_nonzero(raw["l0"]) == 0  # vLLM's torch.zeros, readable everywhere
 
 
@@ -230,7 +230,7 @@ def test_the_engine_config_is_resolved_once_and_carried_with_the_space(monkeypat
         kv_cache_groups=[KVCacheGroupSpec(["l0"], ATTN)],
     )
     groups = [(ATTN, CPUAttentionBackend, ["l0"])]
-    report = worker._wrap_gpu_determine(lambda self: 1 << 30)  # the engine's capacity report
+    report = capacity._wrap_gpu_determine(lambda self: 1 << 30)  # the engine's capacity report
     assert report(SimpleNamespace(device="cpu")) == 1 << 30  # no budget: uncapped
     monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(2 * PAGE_SIZE))  # too late for this engine
     _, first = build(config, groups)
@@ -246,15 +246,15 @@ def test_an_engines_explicit_settings_win_over_the_environment(monkeypatch: pyte
     monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(2 * PAGE_SIZE))
     monkeypatch.setenv("KVCACHED_MAX_CACHED_BLOCKS", "5")
     explicit = SimpleNamespace(additional_config={"kvcached": {"page_size": PAGE_SIZE, "max_cached_blocks": -1}})
-    config = worker._resolve_engine_config(explicit)
+    config = engine_config.resolve_engine_config(explicit)
     assert (config.page_size, config.max_cached_blocks) == (PAGE_SIZE, -1)
-    assert worker._take_engine_config() is config  # the allocation plans with exactly this one
-    assert worker._resolve_engine_config(SimpleNamespace(additional_config={})).page_size == 2 * PAGE_SIZE
-    worker._take_engine_config()
+    assert engine_config.take_engine_config() is config  # the allocation plans with exactly this one
+    assert engine_config.resolve_engine_config(SimpleNamespace(additional_config={})).page_size == 2 * PAGE_SIZE
+    engine_config.take_engine_config()
     with pytest.raises(ConfigError, match="unknown kvcached option"):
-        worker._resolve_engine_config(SimpleNamespace(additional_config={"kvcached": {"page_sise": PAGE_SIZE}}))
+        engine_config.resolve_engine_config(SimpleNamespace(additional_config={"kvcached": {"page_sise": PAGE_SIZE}}))
     with pytest.raises(ConfigError, match="must be a mapping"):
-        worker.engine_settings(SimpleNamespace(additional_config={"kvcached": PAGE_SIZE}))
+        engine_config.engine_settings(SimpleNamespace(additional_config={"kvcached": PAGE_SIZE}))
 
 
 def test_layer_coverage_is_checked() -> None:
@@ -287,7 +287,7 @@ def test_kv_tensors_kvcached_cannot_serve_are_refused_before_anything_maps(case:
     config = KVCacheConfig(num_blocks=N, kv_cache_tensors=tensors, kv_cache_groups=[KVCacheGroupSpec(names, ATTN)])
     with pytest.raises(IntegrationError, match=match):
         GPUModelRunner._allocate_kv_cache_tensors(make_runner(config, [(ATTN, CPUAttentionBackend, names)]), config)
-    assert worker.registered_rank_kv() == []
+    assert rank_kv.registered_rank_kv() == []
 
 
 def test_a_budget_smaller_than_one_kv_page_is_refused_before_anything_maps(
@@ -302,15 +302,15 @@ def test_a_budget_smaller_than_one_kv_page_is_refused_before_anything_maps(
     monkeypatch.setenv("KVCACHED_BUDGET_BYTES", "1000")
     with pytest.raises(ConfigError, match=r"global limit \(1000 bytes.*smaller than one kv page"):
         build(config, groups)
-    assert worker.registered_rank_kv() == []
+    assert rank_kv.registered_rank_kv() == []
     with BudgetRecord(str(tmp_path / "host.budget"), create=False) as record:
         assert record.snapshot().slots == (), "the slot went with the failed allocation"
 
 
 def _forget_all() -> None:
     """Engine teardown of every space built so far (its slot in the record goes with it)."""
-    for kv in worker.registered_rank_kv():
-        worker.forget_rank_kv(kv)
+    for kv in rank_kv.registered_rank_kv():
+        rank_kv.forget_rank_kv(kv)
 
 
 def _one_layer() -> tuple[KVCacheConfig, list[tuple[Any, type, list[str]]]]:
@@ -358,4 +358,4 @@ def test_a_host_with_no_room_left_is_a_clear_error_at_allocation(monkeypatch: py
     monkeypatch.setenv("KVCACHED_HOST_RESERVE", "100%")  # nothing left for KV
     with pytest.raises(ConfigError, match=r"global limit \(0 bytes.*smaller than one kv page"):
         build(*_one_layer())
-    assert worker.registered_rank_kv() == []
+    assert rank_kv.registered_rank_kv() == []

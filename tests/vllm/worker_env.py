@@ -7,19 +7,19 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvcached.integration.vllm import worker
+from kvcached.integration.vllm import rank_kv, worker
 from kvcached.integration.vllm.capabilities import detect
 
 
 def forget_all() -> None:
     """Forget every KV space the worker seams registered in this process."""
-    for kv in worker.registered_rank_kv():
-        worker.forget_rank_kv(kv)
+    for kv in rank_kv.registered_rank_kv():
+        rank_kv.forget_rank_kv(kv)
 
 
 def registered_space(tensor: object) -> object:
     """The KV space the worker seam registered for ``tensor`` (asserting there is one)."""
-    kv = worker.rank_kv_of(tensor)  # type: ignore[arg-type]
+    kv = rank_kv.rank_kv_of(tensor)  # type: ignore[arg-type]
     assert kv is not None, "the allocation registered no KV space"
     return kv.space
 

@@ -30,7 +30,7 @@ request_memory_external   0.32+        ``request_memory(init_snapshot, cache_con
 
 Also from 0.30: ``BlockPool`` gains ``unpin_blocks``, reuse watchers and frees routed to
 another pool. Their only caller is HiSparse, which vLLM runs on Model Runner V2 only, and
-kvcached refuses V2 (`kvcached.integration.vllm.worker`, the ``use_v2_model_runner``
+kvcached refuses V2 (`kvcached.integration.vllm.runner_v2`, the ``use_v2_model_runner``
 seam); `ElasticBlockPool.unpin_blocks` refuses by name should a V1 path ever call it.
 
 A release enters this table once ``nox -s compat -- <version>`` has added its row to

@@ -69,7 +69,7 @@ def _flat(caches: Any) -> list[Any]:
 
 def _rank_kv(worker: Any) -> Any:
     """This rank's registered KV space, found through the worker's own KV tensors."""
-    from kvcached.integration.vllm.worker import rank_kv_of
+    from kvcached.integration.vllm.rank_kv import rank_kv_of
 
     runner = worker.model_runner
     for t in _flat(getattr(runner, "kv_caches", None)):
@@ -88,7 +88,7 @@ def rank_layout(worker: Any) -> tuple[RankLayout, dict[str, Any]]:
 
 def rank_request(worker: Any, request: PageRequest) -> RankReply:
     """Apply one page request on this rank (a close also forgets the space)."""
-    from kvcached.integration.vllm.worker import forget_rank_kv
+    from kvcached.integration.vllm.rank_kv import forget_rank_kv
 
     kv = _rank_kv(worker)
     reply = kv.pages.handle(request)

@@ -18,6 +18,9 @@ from kvcached.errors import IntegrationError
 #: Marks "the owner had no attribute of its own under this name".
 MISSING: Any = object()
 
+#: One planned replacement: ``(owner, attribute name, replacement)``.
+Seam = tuple[Any, str, Any]
+
 
 def own(owner: Any, name: str) -> Any:
     """``owner``'s own attribute ``name`` (not inherited), or `MISSING`."""
@@ -50,6 +53,17 @@ def require_own(owner: Any, name: str, *, exclusive: bool = True) -> Callable[..
     return value
 
 
+def require_vllm_helper(module: Any, name: str, utils: Any) -> Callable[..., Any]:
+    """``module.name``, which must still be the helper of that name in ``utils`` (the module
+    vLLM imported it from): a name another plugin already replaced is refused."""
+    helper = require_own(module, name)
+    if helper is not getattr(utils, name, None):
+        raise IntegrationError(
+            f"{module.__name__}.{name} is not vLLM's helper; another plugin already replaced it"
+        )
+    return helper
+
+
 @dataclass(frozen=True, slots=True)
 class _Patch:
     owner: Any
@@ -66,7 +80,7 @@ class PatchSet:
     def __bool__(self) -> bool:
         return bool(self._patches)
 
-    def apply(self, plan: Iterable[tuple[Any, str, Any]]) -> None:
+    def apply(self, plan: Iterable[Seam]) -> None:
         """Apply ``(owner, name, replacement)`` triples; the plan was validated by its builder."""
         for owner, name, replacement in plan:
             self._patches.append(_Patch(owner, name, own(owner, name)))
