@@ -243,8 +243,14 @@ def kvcached_pool(llm: Any) -> Any:
 
 def pool_stats() -> dict[str, dict[str, int | str]]:
     """``kvcached.stats()`` as plain data."""
-    return {name: {k: v if k == "health" else int(v) for k, v in dataclasses.asdict(st).items()}
-            for name, st in _kvcached_stats().items()}
+    return {name: {k: _plain(v) for k, v in dataclasses.asdict(st).items()} for name, st in _kvcached_stats().items()}
+
+
+def _plain(value: object) -> int | str:
+    """A stats field as plain data: text fields (health, budget_error) as text, counts as int."""
+    if isinstance(value, str):
+        return str(getattr(value, "value", value))  # an enum member's value, not its repr
+    return int(value)  # type: ignore[call-overload]
 
 
 def shutdown(llm: Any) -> None:
