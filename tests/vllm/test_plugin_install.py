@@ -281,3 +281,25 @@ def test_a_parameter_named_like_the_seams_locals_is_refused() -> None:
     with pytest.raises(IntegrationError, match=r"\['pool'\]"):
         scheduler._compile_exact(scheduler._ALLOCATE_SLOTS, inspect.signature(allocate_slots), allocate_slots,
                                  lookahead="0", namespace={})
+
+
+_LOG_PROBE = textwrap.dedent("""
+    import logging, vllm.logger  # vLLM configures its "vllm" logger on import
+    from kvcached.integration.vllm import plugin
+    plugin.register()
+    plugin.register()  # idempotent: one handler, one line
+    logging.getLogger("kvcached.budget").warning("core-log-probe")
+""")
+
+
+@pytest.mark.parametrize("enabled", ["1", "0"])
+def test_core_warnings_reach_vllms_log_when_enabled(enabled: str) -> None:
+    """A core warning (``kvcached.*``) is written by vLLM's own handler, in vLLM's format,
+    once; disabled, nothing is routed (Python's last-resort handler prints the bare text)."""
+    env = {**os.environ, "KVCACHED_ENABLE": enabled, "VLLM_LOGGING_LEVEL": "INFO"}
+    out = subprocess.run([sys.executable, "-c", _LOG_PROBE], env=env, capture_output=True, text=True,
+                         timeout=300, check=True)
+    lines = [ln for ln in (out.stdout + out.stderr).splitlines() if "core-log-probe" in ln]
+    assert len(lines) == 1, lines
+    vllm_format = lines[0].startswith("WARNING") and "[" in lines[0] and lines[0] != "core-log-probe"
+    assert vllm_format == (enabled == "1"), lines

@@ -34,6 +34,24 @@ def register() -> None:
 
     if enabled_from_env():
         install()
+        route_core_logs()
+
+
+def route_core_logs() -> None:
+    """Send the core's log records (``kvcached.*``; the core never imports vLLM) where vLLM
+    sends its own: to the handlers of the ``vllm`` logger, which does not propagate to the
+    root, so without this a core warning (a budget record that became unreadable) never
+    reaches ``vllm serve``'s log. Leaves a ``kvcached`` logger the application configured
+    (one with handlers) alone; idempotent."""
+    import logging
+
+    core, host = logging.getLogger("kvcached"), logging.getLogger("vllm")
+    if core.handlers or not host.handlers:
+        return
+    for handler in host.handlers:
+        core.addHandler(handler)
+    core.setLevel(host.getEffectiveLevel())
+    core.propagate = False  # the handlers are vLLM's: a root handler would print it twice
 
 
 def install() -> Capabilities:
