@@ -448,7 +448,7 @@ class BlockLedger:
             blocking_maps=c.blocking_maps,
             unmap_failures=c.unmap_failures,
             quarantined_pages=c.quarantined_pages,
-            health=c.health.value,
+            health=c.health,
             budget_error=limiter_failure(self.pool.limiter),
         )
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
 from kvcached.errors import ConfigError, PhysicalMemoryExhausted
+from kvcached.stats import PoolHealth
 
 if TYPE_CHECKING:
     from kvcached.config import KvcachedConfig
@@ -153,24 +153,6 @@ class RetryPolicy:
                 if k + 1 == attempts:
                     raise
                 self.sleep(self.backoff_s * (2**k))
-
-
-class PoolHealth(str, Enum):
-    """Whether a pool's pages all behave (`PagePool.health`).
-
-    * ``HEALTHY``: no page is quarantined.
-    * ``DEGRADED``: some pages are quarantined (an unmap failed in some backing or rank);
-      they are never handed out, stay charged, and are retried with a backoff. The pool
-      serves on with the rest and returns to ``HEALTHY`` once a retry succeeds.
-    * ``FAILED``: the quarantine failed `FAILED_AFTER` retries in a row: the backend keeps
-      refusing to give that memory back, which will likely last until the engine restarts.
-      The pool still serves (refusing to would strand running requests) and keeps retrying
-      at the slowest pace; ``kvcached.stats()`` reports it so health checks can act.
-    """
-
-    HEALTHY = "healthy"
-    DEGRADED = "degraded"
-    FAILED = "failed"
 
 
 #: Failed quarantine retries in a row that make a pool FAILED.

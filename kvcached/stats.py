@@ -6,7 +6,26 @@ import itertools
 import threading
 import weakref
 from dataclasses import dataclass
+from enum import Enum
 from typing import Protocol
+
+
+class PoolHealth(str, Enum):
+    """Whether a pool's pages all behave (`PagePool.health`).
+
+    * ``HEALTHY``: no page is quarantined.
+    * ``DEGRADED``: some pages are quarantined (an unmap failed in some backing or rank);
+      they are never handed out, stay charged, and are retried with a backoff. The pool
+      serves on with the rest and returns to ``HEALTHY`` once a retry succeeds.
+    * ``FAILED``: the quarantine failed `kvcached.policies.FAILED_AFTER` retries in a row: the backend keeps
+      refusing to give that memory back, which will likely last until the engine restarts.
+      The pool still serves (refusing to would strand running requests) and keeps retrying
+      at the slowest pace; ``kvcached.stats()`` reports it so health checks can act.
+    """
+
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"
+    FAILED = "failed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +51,7 @@ class PoolStats:
     or a rank refused; ``quarantined_pages`` are the pages waiting for a successful retry
     (never handed out meanwhile, still held). ``health`` is ``"healthy"``, ``"degraded"``
     (pages quarantined) or ``"failed"`` (the quarantine resisted every retry so far; see
-    `kvcached.pages.PoolHealth`). ``budget_error`` says why the engine's budget record
+    `PoolHealth`). ``budget_error`` says why the engine's budget record
     cannot be read now (``""`` while it can): the pool then serves on with the pages it has
     mapped and maps no more until the record is readable again (`kvcached.budget`).
     """
@@ -54,7 +73,7 @@ class PoolStats:
     blocking_maps: int = 0
     unmap_failures: int = 0
     quarantined_pages: int = 0
-    health: str = "healthy"
+    health: PoolHealth = PoolHealth.HEALTHY
     budget_error: str = ""
 
     @property
