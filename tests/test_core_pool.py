@@ -18,6 +18,7 @@ from kvcached.faults import FaultInjector
 from kvcached.fence import StepFence
 from kvcached.ledger import BlockLedger
 from kvcached.pages import PagePool, PageSpace
+from kvcached.policies import PoolPolicies
 from kvcached.space import plan_geometry
 
 _vmm = pytest.importorskip("kvcached._vmm", reason="native extension not built")
@@ -99,23 +100,41 @@ def test_capacity_query_is_cached_and_invalidated_by_own_maps():
 
 
 def test_bounded_retry_recovers_when_pressure_goes_away(tmp_path: Path):
+    """Another process holds the budget; the pool's retry pauses, the other process lets go
+    during the pause, and the retry maps. Event-driven: the pause itself tells the other
+    process to let go and waits until it has (no wall-clock bound, so a busy machine passes)."""
     path = str(tmp_path / "arena")
     shared = BudgetRecord(path, limit=2 * PAGE)
-    pool, _, _ = make_pool(budget=shared.slot(rank=0, device="cpu"), map_retries=4, retry_backoff_s=0.05)
     hog = subprocess.Popen([sys.executable, "-c", (
-        "import sys,time; from kvcached import _vmm; from kvcached.budget import BudgetRecord\n"
+        "import sys; from kvcached import _vmm; from kvcached.budget import BudgetRecord\n"
         "from kvcached.pages import PageSpace\n"
         f"b=BudgetRecord({path!r}).slot(rank=0, device='cpu'); r=_vmm.VirtualRange('cpu', {2 * PAGE}, {PAGE})\n"
         "s=PageSpace((r,), (1,), 2, b)\n"
-        "s.map_pages([0,1]); print('held', flush=True); time.sleep(0.2); s.unmap_pages([0,1])\n")],
-        stdout=subprocess.PIPE, text=True)
-    assert hog.stdout is not None and hog.stdout.readline().strip() == "held"
+        "s.map_pages([0,1]); print('held', flush=True); sys.stdin.readline()\n"
+        "s.unmap_pages([0,1]); print('released', flush=True); sys.stdin.read()\n")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert hog.stdin is not None and hog.stdout is not None and hog.stdout.readline().strip() == "held"
+    pauses: list[float] = []
+
+    def pause(seconds: float) -> None:  # the retry's backoff: the other process lets go now
+        pauses.append(seconds)
+        if len(pauses) == 1:
+            hog.stdin.write("go\n")
+            hog.stdin.flush()
+            assert hog.stdout.readline().strip() == "released"
+
+    config = KvcachedConfig(page_size=PAGE, min_reserve_pages=0, max_reserve_pages=0, capacity_ttl_s=0.0,
+                            map_retries=4, retry_backoff_s=0.05)
+    vr = _vmm.VirtualRange("cpu", 8 * PAGE, PAGE)
+    space = PageSpace((vr,), (1,), 8, shared.slot(rank=0, device="cpu"))
+    pool = PagePool(space, config, fence=StepFence(), policies=PoolPolicies.from_config(config, sleep=pause))
     with pytest.raises(PhysicalMemoryExhausted):
         pool.acquire([0], wait=False)
-    start = time.monotonic()
+    assert pauses == []  # no wait asked: no retry
     pool.acquire([0], wait=True)  # retries with backoff until the other process lets go
-    assert time.monotonic() - start < 2.0
-    assert hog.wait(timeout=10) == 0
+    assert pauses == [0.05] and pool.mapped == {0}
+    hog.stdin.close()
+    assert hog.wait(timeout=60) == 0
 
 
 def test_ledger_fills_mapped_pages_first_and_returns_empty_pages():
