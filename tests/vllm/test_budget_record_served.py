@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ import pytest
 from conformance.cases import ARCHETYPES
 from conformance.models import ensure_model
 from conformance.serving.server import ServerSpec, one_at_a_time, parity_prompts, serving, with_tokenizer
-from kvcached.budget import BudgetRecord, Snapshot
+from kvcached.budget import POLL_S, BudgetRecord, Snapshot
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -35,8 +36,14 @@ def _kvctl_list(budget_dir: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60, check=False)
 
 
-def _published_since(path: Path, since: float) -> Snapshot:
-    """The record once the engine has published into it after ``since`` (a step ran)."""
+def _published_since(path: Path, since: float, step: Callable[[], object]) -> Snapshot:
+    """The record once the engine has published into it after ``since``.
+
+    An engine publishes after a step, at most every `POLL_S` (kvcached.budget): requests that
+    all end within that period of its last publish leave nothing to publish them, and an idle
+    engine takes no step. So each look that finds no publish runs ``step`` (one request)
+    before looking again (CI, 12-03: a fast server answered every request in that period).
+    """
     deadline = time.monotonic() + DEADLINE_S
     while True:
         with BudgetRecord(str(path), create=False) as record:
@@ -44,7 +51,8 @@ def _published_since(path: Path, since: float) -> Snapshot:
         if snap.engines and min(e.updated for e in snap.engines) > since and snap.used > 0:
             return snap
         assert time.monotonic() < deadline, f"the engine never published again: {snap}"
-        time.sleep(0.1)
+        time.sleep(POLL_S)
+        step()
 
 
 def test_a_record_truncated_under_vllm_serve_degrades_then_recovers(tmp_path: Path) -> None:
@@ -55,8 +63,11 @@ def test_a_record_truncated_under_vllm_serve_degrades_then_recovers(tmp_path: Pa
     env = (("KVCACHED_PAGE_SIZE", str(64 << 10)), ("KVCACHED_BUDGET_DIR", str(budget_dir)))
     prompts = parity_prompts(4)
     with serving(ServerSpec("kvcached", True, extra_env=env), model, tmp_path / "logs") as server:
+        def step() -> object:
+            return one_at_a_time(server, prompts[:1], MAX_TOKENS)
+
         before = one_at_a_time(server, prompts, MAX_TOKENS)
-        live = _published_since(record, 0.0)
+        live = _published_since(record, 0.0, step)
         saved = record.read_bytes()
         os.truncate(record, 10)
         listed = _kvctl_list(budget_dir)
@@ -65,7 +76,7 @@ def test_a_record_truncated_under_vllm_serve_degrades_then_recovers(tmp_path: Pa
         restored_at = time.time()
         record.write_bytes(saved)
         after = one_at_a_time(server, prompts, MAX_TOKENS)
-        back = _published_since(record, restored_at)
+        back = _published_since(record, restored_at, step)
         log = server.log()
     assert degraded == before and after == before
     assert listed.returncode == 1 and "host.budget" in listed.stdout + listed.stderr, listed
