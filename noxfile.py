@@ -283,7 +283,7 @@ def gpu_conformance(session: nox.Session) -> None:
     python = os.environ.get("KVCACHED_PYTHON", sys.executable)
     env = {**ENGINE_ENV, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
     args = session.posargs or ["--jobs", "6"]
-    session.run(python, "-m", "conformance", "--device", "cuda", "--out", "reports/gpu/conformance", *args,
+    session.run(python, "-m", "conformance", "--device", "cuda", "--reports-dir", "reports/gpu/conformance", *args,
                 env=env, external=True)
     session.run(python, "-m", "serving_probes.gpu_memory", "--out", "reports/gpu/memory", env=env, external=True)
     session.run(python, "-m", "pytest", "-p", "no:xdist", "-q", "tests/test_gpu_engine.py", "tests/test_vmm_cuda.py",
