@@ -18,7 +18,7 @@ CudaBackend::~CudaBackend() { free_reservation(); }
 std::uintptr_t CudaBackend::reserve(std::size_t size) {
   ContextGuard guard(device_);
   cuda::CUdeviceptr ptr = 0;
-  check(driver().MemAddressReserve(&ptr, size, page_size_, 0, 0), "cuMemAddressReserve");
+  check(driver().MemAddressReserve(&ptr, size, cuda::reserve_alignment(page_size_), 0, 0), "cuMemAddressReserve");
   base_ = ptr;
   size_ = size;
   handles_.assign(size / page_size_, 0);

@@ -114,6 +114,15 @@ class ContextGuard {
 std::pair<std::size_t, std::size_t> mem_info(int device);  // (free, total)
 std::size_t granularity(int device);
 
+// The alignment to reserve a range of `page_size` pages with: the largest power of two
+// dividing the page. cuMemAddressReserve takes only a power of two (a 6 MiB page, three
+// 2 MiB granules, failed with CUDA_ERROR_INVALID_VALUE on the H200); a page is a multiple
+// of the granularity, itself a power of two, so this is at least the granularity and every
+// page offset of the range stays granularity-aligned.
+constexpr std::size_t reserve_alignment(std::size_t page_size) { return page_size & (~page_size + 1); }
+static_assert(reserve_alignment(std::size_t{6} << 20) == std::size_t{2} << 20, "6 MiB pages: 2 MiB aligned");
+static_assert(reserve_alignment(std::size_t{4} << 20) == std::size_t{4} << 20, "4 MiB pages: 4 MiB aligned");
+
 // The device's UUID as nvidia-smi prints it ("GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"):
 // the same in every process whatever CUDA_VISIBLE_DEVICES renumbers.
 std::string device_uuid(int device);

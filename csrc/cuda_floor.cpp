@@ -36,7 +36,7 @@ FloorTimes driver_floor(int device, std::size_t page_size, std::size_t pages) {
   ContextGuard guard(device);
   const Driver& f = driver();
   CUdeviceptr base = 0;
-  check(f.MemAddressReserve(&base, pages * page_size, page_size, 0, 0), "cuMemAddressReserve");
+  check(f.MemAddressReserve(&base, pages * page_size, reserve_alignment(page_size), 0, 0), "cuMemAddressReserve");
   const CUmemAllocationProp prop = pinned_device_prop(device);
   CUmemAccessDesc access{};
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;

@@ -109,6 +109,24 @@ def test_reserve_map_write_read_unmap_release(torch_cuda: ModuleType, gran: int)
     assert settled_free() >= start_free - 2 * MIB  # everything is back
 
 
+def test_a_page_of_three_granules_reserves_maps_and_reads_back(torch_cuda: ModuleType, gran: int) -> None:
+    """A page that is not a power of two (a hybrid's lcm page: 6 MiB on the H200) still
+    reserves: the driver takes only a power-of-two alignment (CUDA_ERROR_INVALID_VALUE, 12-04)."""
+    torch = torch_cuda
+    page = 3 * gran
+    r = _vmm.VirtualRange("cuda:0", 4 * page, page)
+    assert r.address % gran == 0
+    r.map([1, 3])
+    view = torch.from_dlpack(r.dlpack(page, page))
+    view.fill_(7)
+    torch.cuda.synchronize()
+    assert int(view.sum().item()) == 7 * page
+    del view
+    r.unmap([1, 3])
+    r.close()
+    assert set(_vmm.cuda_driver_floor(0, page, 2)) >= {"map_us"}
+
+
 def test_device_oom_is_exhaustion_and_rolls_back(gran: int) -> None:
     total = _vmm.cuda_mem_info(0)[1]
     page = max(gran, 1 << 30) // gran * gran  # big pages: few driver calls
