@@ -89,6 +89,13 @@ class FaultPlan:
         return any(r.site == "copy" for r in self.rules)
 
     @property
+    def reschedules(self) -> bool:
+        """The candidate schedules differently from native on purpose: a rejected admission
+        or a failed map waits a step, a small budget preempts (a cap on cached blocks only
+        recomputes what native finds cached, in the same batches)."""
+        return bool(self.rules) or self.physical_budget
+
+    @property
     def needs_partial_hits(self) -> bool:
         return any(r.after_trigger == "partial_prefix_hit" for r in self.rules)
 

@@ -47,6 +47,11 @@ class DeviceProfile:
     attention_backend: str | None
     #: Further engine arguments of every engine on this device.
     engine_kwargs: tuple[tuple[str, Any], ...] = ()
+    #: Further engine arguments of one archetype's engines on this device (both sides).
+    archetype_kwargs: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+
+    def kwargs_of(self, archetype: str) -> dict[str, Any]:
+        return {**dict(self.engine_kwargs), **dict(dict(self.archetype_kwargs).get(archetype, ()))}
 
 
 PROFILES: dict[Device, DeviceProfile] = {
@@ -59,7 +64,13 @@ PROFILES: dict[Device, DeviceProfile] = {
                                # vLLM refuses to start unless this share of the device is free;
                                # the KV size is kv_cache_bytes whatever it is, and a run's
                                # engines (`--jobs`) start side by side.
-                               engine_kwargs=(("gpu_memory_utilization", 0.2),)),
+                               engine_kwargs=(("gpu_memory_utilization", 0.2),),
+                               # Gated DeltaNet prefill: vLLM 0.26 picks FlashInfer's kernel on
+                               # Hopper, which the offline bundle does not carry (its JIT needs the
+                               # network): "No module named 'flashinfer'" (H200, 12-04). Triton is
+                               # vLLM's own kernel, the one it uses off Hopper.
+                               archetype_kwargs=tuple((name, (("gdn_prefill_backend", "triton"),))
+                                                      for name in ("qwen3_next", "qwen3_5"))),
 }
 
 

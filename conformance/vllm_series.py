@@ -197,7 +197,7 @@ def adjusted(model: str, kwargs: Mapping[str, Any], limits: CpuKernelLimits | No
 # ---- native defects -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class NativeDefect:
-    """A failure of native vLLM's CPU path on its own, identified by where it raises.
+    """A failure of native vLLM on its own, identified by where it raises.
 
     A test may set a case aside only when *both* sides raise exactly this (same exception
     text shape, same innermost function) on a series in ``first..last``: then there is
@@ -227,6 +227,16 @@ NATIVE_DEFECTS: tuple[NativeDefect, ...] = (
          "text-only Qwen3_5ForCausalLM (the spec's serving model) is not a vLLM 0.26 architecture"),
         r"(?s)ValidationError: 1 validation error for ModelConfig\s+Value error, Model architectures "
         r"\['Qwen3_5ForCausalLM'\] are not supported for now\..*",
+    ),
+    NativeDefect(
+        (0, 26), (0, 26), "get_hf_config",
+        "vllm/model_executor/models/qwen3_5.py, Qwen3_5ProcessingInfo.get_hf_config",
+        ("with the host's transformers (5.17) 0.26 resolves the text-only Qwen3.5 config to its "
+         "vision-language model, whose multimodal processor asks for the vision-language config "
+         "(Qwen3_5Config) and refuses the text one (CUDA, H200)"),
+        r"TypeError: Invalid type of HuggingFace config\. Expected type: <class "
+        r"'vllm\.transformers_utils\.configs\.qwen3_5\.Qwen3_5Config'>, but found type: <class "
+        r"'[\w.]*\.Qwen3_5TextConfig'>",
     ),
     NativeDefect(
         (0, 32), (0, 32), "conv_ssm_forward",

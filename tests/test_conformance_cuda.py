@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from conformance import cases as C
 from conformance.device import PROFILES, Device, profile
+from conformance.engine.worker import CaseRunner
 from conformance.geometry import derive_page_size
 from conformance.models import MODEL_SPECS, model_spec
 from conformance.orchestrate.compare import judge_against_native_floor
 from conformance.orchestrate.parity import Problem, ProblemKind
+from conformance.results import Job
 from tests.test_conformance_report import _row
 
 MIB = 1 << 20
@@ -222,3 +225,41 @@ def test_the_layout_that_ran_is_read_from_the_engine_core_process(executor: str,
     res = CaseResult(case=case.to_json(), side="reference", engine="native", scheduler=ran)
     found = _layout_checks(case, Pair(case, res, res, None, None, False))
     assert (not found.problems) == holds
+
+
+def test_the_0_26_qwen3_5_text_config_refusal_is_a_known_native_defect() -> None:
+    from conformance import vllm_series as vs
+
+    err = ("TypeError: Invalid type of HuggingFace config. Expected type: <class "
+           "'vllm.transformers_utils.configs.qwen3_5.Qwen3_5Config'>, but found type: <class "
+           "'transformers.models.qwen3_5.configuration_qwen3_5.Qwen3_5TextConfig'>")
+    assert vs.native_defect("0.26.0", err, "get_hf_config") is not None
+    assert vs.native_defect("0.28.0", err, "get_hf_config") is None
+    assert vs.native_defect("0.26.0", err.replace("Qwen3_5TextConfig", "LlamaConfig"), "get_hf_config") is None
+
+
+def _cuda_runner(tmp_path: Path) -> CaseRunner:
+    return CaseRunner(Job(side="reference", engine="native", out_dir=tmp_path, page_size=None, kv_cache_bytes=1 << 30,
+                          async_override=True, budget_bytes_override=None, entries=[], device="cuda"))
+
+
+@pytest.mark.parametrize(("fault", "fp32"), [(C.NO_FAULTS, False), (C.CACHED_CAP, False), (C.TINY_BUDGET, True),
+                                             (C.COW_ADMISSION_X2, True), (C.MAP_MID_ALLOCATION, True)])
+def test_cuda_cases_that_reschedule_run_in_float32_and_plan_from_their_own_geometry(
+        tmp_path: Path, fault: C.FaultPlan, fp32: bool) -> None:
+    runner = _cuda_runner(tmp_path)
+    pattern = C.PrefixPattern.PARTIAL_COW if fault.needs_partial_hits else C.PrefixPattern.WARM_THEN_ALL
+    plain = C.Case(C.ARCHETYPES["nemotron_h"], pattern=pattern)
+    case = C.Case(C.ARCHETYPES["nemotron_h"], pattern=pattern, fault=fault)
+    dtype = runner._engine_kwargs(case, tmp_path, 4096, 1 << 30, {})["dtype"]
+    assert dtype == ("float32" if fp32 else "bfloat16")
+    # A bf16 case's geometry must not plan a float32 case (its budget came out half the size).
+    assert (runner._geometry_key(case) != runner._geometry_key(plain)) == fp32
+
+
+def test_cuda_gated_deltanet_models_ask_for_vllms_triton_prefill(tmp_path: Path) -> None:
+    runner = _cuda_runner(tmp_path)
+    for name in ("qwen3_next", "qwen3_5", "llama"):
+        kw = runner._engine_kwargs(C.Case(C.ARCHETYPES[name]), tmp_path, 4096, 1 << 30, {})
+        assert kw.get("gdn_prefill_backend") == ("triton" if name != "llama" else None)
+    assert "gdn_prefill_backend" not in PROFILES[Device.CPU].kwargs_of("qwen3_next")

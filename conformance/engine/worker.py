@@ -85,6 +85,11 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+#: The engine arguments a KV geometry (block size, bytes per block) depends on.
+GEOMETRY_ARGS = ("dtype", "enable_prefix_caching", "mamba_cache_mode", "attention_backend", "block_size",
+                 "kv_cache_dtype")
+
+
 class CaseRunner:
     def __init__(self, job: Job) -> None:
         self.job = job
@@ -112,7 +117,7 @@ class CaseRunner:
             # The harness's agent on every rank (observes only; the same on every side).
             "worker_extension_cls": agent.WORKER_EXTENSION,
             "tensor_parallel_size": case.layout.tensor_parallel,
-            **dict(self.device.engine_kwargs),
+            **self.device.kwargs_of(case.archetype.name),
             **dict(case.archetype.engine_kwargs),
         }
         if kvcached:
@@ -129,10 +134,11 @@ class CaseRunner:
             # none; the partial pattern exists for the copy-on-write of "align" mode (the mode
             # the CPU runs by default), so it asks for that; every other case keeps vLLM's choice.
             kw["mamba_cache_mode"] = "align"
-        if self.device.device is Device.CUDA and case.fault.physical_budget:
-            # Preemption recomputes requests in other batches than native's. In 16-bit that can
-            # flip a near-tie token (nemotron_h on the H200: 3 of 40 requests in bf16); the case is
-            # about preemption, not numerics, so both sides run it in float32, as on the CPU.
+        if self.device.device is Device.CUDA and case.fault.reschedules:
+            # A planned miss or preemption computes requests in other batches than native's. In
+            # 16-bit that can flip a near-tie token (H200: nemotron_h preempted, 3 of 40 requests;
+            # granitemoehybrid after two copy-on-write rejections, 1 of 17); the case is about
+            # scheduling, not numerics, so both sides run it in float32, as on the CPU.
             kw["dtype"] = "float32"
         # What this vLLM series' CPU kernels need (nothing on 0.28; see vllm_series): the same
         # on every side, recorded with the case's engine arguments. GPU kernels need none of it.
@@ -148,7 +154,7 @@ class CaseRunner:
             overrides.force_async(False)
 
     def _probe_geometry(self, case: Case, model_dir: Path) -> Geometry:
-        key = f"{case.archetype.name}|{case.prefix_caching}"
+        key = self._geometry_key(case)
         if key not in self.geometry_cache:
             kwargs = self._engine_kwargs(case, model_dir, self.device.max_model_len, self.job.kv_cache_bytes, {})
             handle = self._build(case, kwargs)
@@ -298,7 +304,7 @@ class CaseRunner:
             res.plan = res.plan.model_copy(update={"page_size": geo.page_size_bytes})
         if self.geometry_cache_fits(res.plan, knobs):
             # A later budget case of this archetype can plan from this instead of a probe engine.
-            self.geometry_cache.setdefault(f"{case.archetype.name}|{case.prefix_caching}", geo)
+            self.geometry_cache.setdefault(self._geometry_key(case), geo)
         kvc = kvcached_requested()
         if kvc:
             handle.check_page_size(geo.page_size_bytes)  # KVCACHED_ENABLE=1 without kvcached fails here
@@ -327,6 +333,13 @@ class CaseRunner:
         if self.job.side == "reference":
             # After the snapshot (replays allocate blocks and would change the cache).
             res.replay = self._replay_uncacheable(handle, case, workload, geo)
+
+    def _geometry_key(self, case: Case) -> str:
+        """Cases whose engines have the same KV geometry share a key: the archetype and every
+        engine argument a block's size depends on, as `_engine_kwargs` sets it for the case
+        (a budget case runs in float32 on CUDA: a bf16 case's geometry halved its budget)."""
+        kw = self._engine_kwargs(case, Path(), self.device.max_model_len, self.job.kv_cache_bytes, {})
+        return repr((case.archetype.name, *(kw.get(k) for k in GEOMETRY_ARGS)))
 
     def geometry_cache_fits(self, plan: Plan, knobs: _Knobs) -> bool:
         return plan.max_model_len == self.device.max_model_len and knobs.kv_bytes == self.job.kv_cache_bytes
