@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -276,13 +277,18 @@ def gpu_conformance(session: nox.Session) -> None:
     """On the GPU host, after ``python -m serving_probes.gpu_bundle install --target DIR``: the conformance
     matrix on CUDA (reports/gpu/conformance), the device-memory probe (reports/gpu/memory) and the GPU
     engine tests, with ``DIR/site`` first on the path (``KVCACHED_GPU_SITE``, default /tmp/kvc/site).
-    ``-- ARGS`` go to ``python -m conformance`` (default ``--jobs 6``)."""
+    ``-- ARGS`` go to ``python -m conformance`` (default ``--jobs 8``)."""
     site = Path(os.environ.get("KVCACHED_GPU_SITE", "/tmp/kvc/site"))
     if not (site / "vllm").is_dir():
         session.error(f"{site}: no vLLM installed there; run serving_probes.gpu_bundle install first")
     python = os.environ.get("KVCACHED_PYTHON", sys.executable)
+    # `python -m` and pytest put the repository ahead of PYTHONPATH, so its kvcached is the one
+    # imported, and it needs the extension the install built for this host (as an editable install
+    # has it): without it every kvcached engine failed with "cannot import name '_vmm'" (H200, 12-04).
+    for built in (site / "kvcached").glob("_vmm*.so"):
+        shutil.copy2(built, ROOT / "kvcached" / built.name)
     env = {**ENGINE_ENV, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
-    args = session.posargs or ["--jobs", "6"]
+    args = session.posargs or ["--jobs", "8"]  # the whole matrix: 373 s on the H200 (12-04)
     session.run(python, "-m", "conformance", "--device", "cuda", "--reports-dir", "reports/gpu/conformance", *args,
                 env=env, external=True)
     session.run(python, "-m", "serving_probes.gpu_memory", "--out", "reports/gpu/memory", env=env, external=True)
