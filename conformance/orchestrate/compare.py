@@ -507,7 +507,7 @@ def _numeric_findings(case: Case, ev: Evidence, found: Findings) -> None:
         found.explanations.append(
             f"schedule diverged at step {step} ({cause}); largest |ΔKV| {kv.max_abs_diff:.3g}, "
             f"|Δlogprob| {lp.max_abs_diff:.3g}: the same tokens computed in differently shaped batches can "
-            "differ in the last bits on CPU"
+            "differ in the last bits (CPU and GPU kernels alike)"
         )
     else:
         found.explanations.append(f"schedule diverged at step {step}, yet KV and logprobs are bit-identical")
