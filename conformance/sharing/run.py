@@ -268,7 +268,7 @@ def burst_plan(plan: SharingPlan) -> dict[str, list[tuple[int, int, int]]]:
     n, m = plan.burst, plan.max_tokens
     a = [(0, n, m)] + [(1 + c, n, m) for c in range(plan.cycles)]
     b = [(0, n, LONG * m), (1, 2 * n, LONG * m)] + [(2 + c, n, m) for c in range(plan.cycles)]
-    b.append((2 + plan.cycles, 2 * n, m))
+    b.append((2 + plan.cycles, 2 * n, LONG * m))
     return {"A": a, "B": b}
 
 
@@ -287,7 +287,9 @@ def compared_bursts(plan: SharingPlan) -> dict[str, tuple[str, list[list[int]], 
 #: lowered the limit. That one also has twice the requests: B gets under its limit only as
 #: running requests finish, and the check needs the burst to go on under it, admitting the
 #: ones still waiting (with one burst's worth, the last ones could end within 0.1 s of it on
-#: a fast machine: measured, 8 samples).
+#: a fast machine: measured, 8 samples). So do A's killed burst (it must still hold memory
+#: when it is killed) and B's double burst after it (it must overlap to need A's memory):
+#: under a CPU hog, short ones timed out waiting for A's charge (CI, 12-03).
 LONG = 6
 
 
@@ -448,7 +450,9 @@ def kill_a(stage: Stage) -> None:
     plan, result = stage.plan, stage.result
     server = stage.servers["A"]
     with ThreadPoolExecutor(max_workers=1) as pool:
-        pool.submit(stage.burst, "A", 1 + plan.cycles, None, "A (killed)")
+        # Long outputs, so that A's requests, reaching the server in waves on a busy machine,
+        # overlap and hold memory until the kill (short ones ended before the late ones came).
+        pool.submit(stage.burst, "A", 1 + plan.cycles, None, "A (killed)", LONG * plan.max_tokens)
         wait_until(lambda: stage.sampler.latest("A") > plan.budget_bytes // 3, 60.0)
         result.a_at_kill_bytes = stage.sampler.latest("A")
         stage.mark("SIGKILL A")
@@ -456,7 +460,7 @@ def kill_a(stage: Stage) -> None:
         server.proc.wait(30)
     start = stage.now()
     stage.mark("B: 2x burst")
-    stage.burst("B", 2 + plan.cycles, 2 * plan.burst)
+    stage.burst("B", 2 + plan.cycles, 2 * plan.burst, "", LONG * plan.max_tokens)  # as B's first: overlapping
     result.b_after_kill_peak_bytes = stage.sampler.peak("B", start)
     stage.idle("B")
 
