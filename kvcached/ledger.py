@@ -214,7 +214,7 @@ class BlockLedger:
     # ---- state changes -------------------------------------------------------------
     def allocate(self, n: int, *, wait: bool = False) -> list[int]:
         """Hold ``n`` page-aware chosen free blocks; all-or-nothing."""
-        if n > self.num_free:
+        if n > self.num_blocks - self.num_held:  # `num_free`, without a property call per decode block
             raise InvariantError(f"allocate({n}) with {self.num_free} free blocks")
         if n <= self.backed_free:
             return self._take_mapped(n, wait)  # an admission's blocks, a decode step's block: no map
@@ -234,7 +234,8 @@ class BlockLedger:
         are acquired first, in one call that changes nothing if it raises, and only they
         are taken from (acquiring may map refill pages into bucket 0).
         """
-        short = n - self._free_in_use()
+        # With no mapped page left empty, every backed free block is on a page in use.
+        short = n - self._free_in_use() if self._open[0] else 0
         empty = self._lowest_empty_pages(short) if short > 0 else []
         if empty:
             self.pool.acquire(empty, wait=wait)  # raises with nothing changed
@@ -330,7 +331,7 @@ class BlockLedger:
         if new_pages:
             self.pool.acquire(new_pages, wait=wait)  # raises with nothing changed
         # Every page of `ids` is mapped now (in use): each block leaves the backed count.
-        for page, blocks in self._by_page(ids).items():
+        for page, blocks in self._by_page(ids):
             held = held_of[page]
             free = self._free_per_page[page]
             self._open_remove(held, page)
@@ -343,24 +344,15 @@ class BlockLedger:
         self.num_held += len(ids)
         self.backed_free -= len(ids)
 
-    def _free_pushed(self, page: int, blocks: Sequence[int]) -> None:
-        """``blocks`` of ``page`` became free: onto its heap (rebuilt once mostly stale)."""
-        heap = self._free_heap[page]
-        if len(heap) + len(blocks) > 2 * len(self._free_per_page[page]) + _FREE_HEAP_SLACK:
-            heap[:] = sorted(self._free_per_page[page])
-            return
-        for b in blocks:
-            heapq.heappush(heap, b)
-
-    def _by_page(self, ids: list[int]) -> dict[int, list[int]]:
+    def _by_page(self, ids: list[int]) -> Iterable[tuple[int, list[int]]]:
         """``ids`` grouped by page, pages in first-seen order (one bucket move per page)."""
         bpp = self.blocks_per_page
         if len(ids) == 1:  # a decode step's block: no grouping needed
-            return {ids[0] // bpp: ids}
+            return ((ids[0] // bpp, ids),)
         groups: dict[int, list[int]] = {}
         for b in ids:
             groups.setdefault(b // bpp, []).append(b)
-        return groups
+        return groups.items()
 
     def release(self, block_ids: Iterable[int]) -> list[int]:
         """Mark held blocks free; pages left with no held block go back to the pool.
@@ -381,13 +373,17 @@ class BlockLedger:
             is_held[b] = 0
         emptied: list[int] = []
         # Every page of `ids` is mapped (in use): each block joins the backed count.
-        for page, blocks in self._by_page(ids).items():
-            held = held_of[page]
-            free = self._free_per_page[page]
+        for page, blocks in self._by_page(ids):
+            held, free, heap = held_of[page], self._free_per_page[page], self._free_heap[page]
             if free:
                 self._open_remove(held, page)
             free.update(blocks)
-            self._free_pushed(page, blocks)
+            # Onto the page's heap, or, once it would be mostly stale, the heap rebuilt.
+            if len(heap) + len(blocks) > 2 * len(free) + _FREE_HEAP_SLACK:
+                heap[:] = sorted(free)
+            else:
+                for b in blocks:
+                    heapq.heappush(heap, b)
             held_of[page] = held - len(blocks)
             self._open_add(held - len(blocks), page)
             if held == len(blocks):
