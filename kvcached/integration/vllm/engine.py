@@ -56,8 +56,40 @@ from kvcached.space import KvSpace
 # A child of vLLM's logger, so its handlers (and the server's log) carry kvcached's lines.
 _logger = logging.getLogger("vllm.kvcached")
 
-#: Seconds a page request may take on every rank before the engine is considered broken.
-RPC_TIMEOUT_S = 120.0
+
+def rank_rpc_timeout(executor: Any) -> float:
+    """Seconds a page request may wait for every rank's reply before the engine is
+    considered broken: never less than vLLM itself waits for the work that can be ahead of it.
+
+    A request reaches each rank in order behind the steps already sent (the step fence
+    above), so it waits for them. vLLM allows each step's RPCs ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``
+    (``MultiprocExecutor.execute_model`` and ``sample_tokens``); up to
+    ``max_concurrent_batches`` steps are in flight (its batch queue: 2 with async
+    scheduling); the request itself is allowed one step's time more. A fixed timeout
+    shorter than vLLM's (120 s against its 300 s, issue 32) killed EngineCore with a
+    ``TimeoutError`` in ``schedule`` behind a long step vLLM tolerated. The bound is
+    generous on purpose: it only turns a rank that never answers into an error.
+
+    Read through ``vllm.envs`` when called (`prepare`, at engine start), as vLLM reads it, so
+    a value the user set is honoured (vLLM caches its environment only after start-up).
+    Same name, type (int seconds, default 300) and use in vLLM 0.26.0 and 0.28.0
+    (``vllm/envs.py``, ``vllm/v1/executor/multiproc_executor.py``; ``max_concurrent_batches``
+    is a ``VllmConfig`` property in ``vllm/config/vllm.py`` of both), so no row in
+    `capabilities`. The ``UniProcExecutor`` runs requests inline and ignores it; the Ray
+    executor (designed for, not run) bounds a step by ``RAY_CGRAPH_get_timeout`` instead,
+    which vLLM also sets to 300 s, and is given the same derivation.
+
+    Invariant: ``(max_concurrent_batches + 1) * VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``.
+    """
+    from vllm import envs
+
+    step_s = float(envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)
+    return step_s * (steps_in_flight(executor) + 1)
+
+
+def steps_in_flight(executor: Any) -> int:
+    """The most steps vLLM keeps in flight on ``executor``'s workers (its batch queue's size)."""
+    return int(executor.vllm_config.max_concurrent_batches)
 
 
 # ---- worker side (run on every rank by collective_rpc; module level, so picklable by name) --
@@ -127,7 +159,7 @@ class ExecutorChannel:
     release the GIL and lock their ranges.
     """
 
-    def __init__(self, executor: Any, timeout_s: float = RPC_TIMEOUT_S, *, background: bool = False) -> None:
+    def __init__(self, executor: Any, timeout_s: float, *, background: bool = False) -> None:
         self.executor = executor
         self.timeout_s = timeout_s
         self._background = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcached-refill")
@@ -185,7 +217,8 @@ def prepare(core: Any, kv_cache_config: Any) -> None:
         return
     check_parallel_layout(core.vllm_config)
     executor = core.model_executor
-    replies = executor.collective_rpc(rank_layout, timeout=RPC_TIMEOUT_S)
+    timeout_s = rank_rpc_timeout(executor)
+    replies = executor.collective_rpc(rank_layout, timeout=timeout_s)
     geometry, premapped, available = check_layouts([layout for layout, _ in replies])
     configs = {tuple(sorted(c.items())) for _, c in replies}
     if len(configs) != 1:
@@ -193,7 +226,7 @@ def prepare(core: Any, kv_cache_config: Any) -> None:
     config = KvcachedConfig(**replies[0][1])
     device_type = str(getattr(core.vllm_config.device_config, "device_type", ""))
     background = refills_in_background(config.background_refill, executor, device_type)
-    channel = ExecutorChannel(executor, background=background)
+    channel = ExecutorChannel(executor, timeout_s, background=background)
     pages = RankedPageSpace(geometry, channel, len(replies), config.capacity_ttl_s)
     pages.note_available([RankReply(i, True, available_bytes=available) for i in range(len(replies))])
     limiter = join_budgets(engine_name(core.vllm_config), [layout for layout, _ in replies], pages.kv_page_bytes)
@@ -201,10 +234,19 @@ def prepare(core: Any, kv_cache_config: Any) -> None:
                                                       limiter=limiter))
     _logger.info(
         "kvcached: elastic KV cache active on %d rank(s) (%s): %d kv pages of %d bytes, %d blocks, "
-        "VMM page %d bytes, reserve %d-%d pages, refills %s", len(replies), type(executor).__name__,
+        "VMM page %d bytes, reserve %d-%d pages, refills %s, %s", len(replies), type(executor).__name__,
         geometry.num_kv_pages, pages.kv_page_bytes, geometry.num_blocks, geometry.page_size, config.min_reserve_pages,
         config.max_reserve_pages, "on a background thread" if background else
-        ("inline" if runs_inline(executor) else "through the executor's queues"))
+        ("inline" if runs_inline(executor) else "through the executor's queues"), timeout_text(executor, timeout_s))
+
+
+def timeout_text(executor: Any, timeout_s: float) -> str:
+    """The rank requests' timeout as the start-up line gives it (an in-process worker runs
+    them on the caller's thread: vLLM's ``UniProcExecutor`` applies no timeout)."""
+    if runs_inline(executor):
+        return "rank requests run in this process (no timeout)"
+    return (f"rank requests time out after {timeout_s:g} s ({steps_in_flight(executor)} step(s) in flight "
+            "and the request, VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS each)")
 
 
 def engine_name(vllm_config: Any) -> str:
