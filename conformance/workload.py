@@ -17,6 +17,9 @@ Shapes (h = hash granularity, b = block size, L = each labelled prompt length):
 * ``shared``  pass 1 runs, concurrently, three groups of three requests that share a prefix
   (2b-1, b+1 and the page straddle) plus an independent prompt per length; pass 2 repeats
   the same requests (now cached).
+* ``fill``    (fault plans only, `conformance.reach`): a leading pass of fresh prompts of one
+  length, whose blocks make the plan's site certain to be reached; the pattern's passes
+  follow, their prompts unchanged (the fill draws from a token source of its own).
 
 Invariants:
 * The same (pattern, lengths, geometry, seed) always gives the same token IDs.
@@ -58,6 +61,15 @@ class Workload:
     @property
     def prompts(self) -> list[Prompt]:
         return [p for ps in self.passes for p in ps]
+
+
+@dataclass(frozen=True)
+class FillPass:
+    """``requests`` fresh prompts of ``prompt_len`` tokens, run as the workload's first pass
+    (planned by `conformance.reach.plan_fill`)."""
+
+    requests: int
+    prompt_len: int
 
 
 def stable_seed(text: str) -> int:
@@ -176,15 +188,32 @@ _PATTERNS = {
 }
 
 
+def _fill(bld: _Builder, fill: FillPass, hash_block: int, seed: int) -> None:
+    """The fill pass: fresh prompts, no two agreeing on their first hash block (so none can
+    hit another's blocks; shorter prompts cannot hit at all)."""
+    tok = _Tokens(stable_seed(f"fill:{seed}"))
+    seen: set[tuple[int, ...]] = set()
+    bld.new_pass()
+    for _ in range(fill.requests):
+        tokens = tok.fresh(fill.prompt_len)
+        while fill.prompt_len > hash_block and tuple(tokens[:hash_block]) in seen:
+            tokens = tok.fresh(fill.prompt_len)
+        seen.add(tuple(tokens[:hash_block]))
+        bld.add(f"fill:{fill.prompt_len}", tokens)
+
+
 def build_workload(
     pattern: PrefixPattern,
     lengths: Sequence[tuple[str, int]],
     geo: Geometry,
     max_prompt_len: int,
     seed: int,
+    fill: FillPass | None = None,
 ) -> Workload:
     tok = _Tokens(seed)
     draft = _Draft(tok, tok.fresh(max_prompt_len), _Builder(), lengths, geo, max_prompt_len)
+    if fill is not None:
+        _fill(draft.bld, fill, geo.hash_block_size, seed)
     bounds = _PATTERNS[pattern](draft)
     b = geo.block_size
     return Workload(

@@ -90,6 +90,18 @@ def _geometry(core: Any) -> dict[str, Any]:
     }
 
 
+def _scheduler_limits(core: Any) -> dict[str, int]:
+    """What the running scheduler admits in one step (`conformance.reach.SchedulerLimits`):
+    vLLM's step token budget is max_num_scheduled_tokens when set, else max_num_batched_tokens."""
+    sc = core.vllm_config.scheduler_config
+    scheduled = getattr(sc, "max_num_scheduled_tokens", None)
+    return {
+        "max_num_seqs": int(sc.max_num_seqs),
+        "step_token_budget": int(min(sc.max_num_batched_tokens, scheduled or sc.max_num_batched_tokens)),
+        "long_prefill_token_threshold": int(sc.long_prefill_token_threshold or 0),
+    }
+
+
 def _kvcached_pools(core: Any) -> dict[str, Any]:
     """``kvcached.stats()`` and ``status()`` of the EngineCore process (public API only)."""
     import kvcached
@@ -164,6 +176,7 @@ def _flush_emulated_seam(core: Any) -> None:
 CORE_CALLS: dict[str, Callable[..., Any]] = {
     "scheduler_that_ran": _scheduler_that_ran,
     "geometry": _geometry,
+    "scheduler_limits": _scheduler_limits,
     "kvcached_pools": _kvcached_pools,
     "install_probe": _install_probe,
     "probe_record": _probe_record,

@@ -36,6 +36,7 @@ import numpy as np
 from conformance.device import profile
 from conformance.engine import agent
 from conformance.geometry import Geometry, derive_page_size
+from conformance.reach import SchedulerLimits
 from conformance.results import (
     POOL_FACTS,
     CopyFacts,
@@ -115,6 +116,11 @@ class EngineHandle:
             page_size_source="configured" if page_size else "derived",
             device=g["device"],
         )
+
+    def scheduler_limits(self) -> SchedulerLimits:
+        """What the scheduler admits in one step; requests of one ``generate`` call all reach
+        it before its first step only when the EngineCore runs in this process."""
+        return SchedulerLimits(**self.core_call("scheduler_limits"), requests_arrive_together=self.in_process)
 
     def metrics(self) -> EngineMetrics:
         """Counters from vLLM's own metrics (needs ``disable_log_stats=False``)."""

@@ -28,6 +28,7 @@ import math
 import os
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from conformance.device import Device, DeviceProfile, profile
 from conformance.engine import agent, emulated_faults, overrides, teardown_check
 from conformance.engine.handle import EngineHandle, kvcached_requested
 from conformance.geometry import Geometry, prompt_lengths
+from conformance.reach import SchedulerLimits, plan_fault_reach
 from conformance.results import (
     Budget,
     CaseResult,
@@ -221,12 +223,21 @@ class CaseRunner:
             kn.kvcached["max_cached_blocks"] = -1 if cap is None else cap
         return kn
 
-    def _workload(self, entry: JobEntry, case: Case, plan: Plan, geo: Geometry) -> Workload:
-        """The reference derives the workload from its geometry; the others check theirs matches."""
+    def _workload(
+        self, entry: JobEntry, case: Case, plan: Plan, geo: Geometry, limits: Callable[[], SchedulerLimits]
+    ) -> Workload:
+        """The reference derives the workload from its geometry and its scheduler's ``limits``
+        (read only here), sized so that the fault plan's site is reached or refused by
+        `conformance.reach` (a plan that fails nothing tests nothing); the others check
+        their geometry matches the reference's."""
         if entry.workload is None or entry.geometry is None:
             max_prompt = plan.max_model_len - case.max_tokens
             lens = prompt_lengths(geo, case.lengths, max_prompt)
-            return build_workload(case.pattern, lens, geo, max_prompt, stable_seed(case.case_id))
+            seed = stable_seed(case.case_id)
+            return plan_fault_reach(
+                case, geo, limits(), max_prompt,
+                lambda fill: build_workload(case.pattern, lens, geo, max_prompt, seed, fill),
+            )
         if entry.geometry.same_attention_layout() != geo.same_attention_layout():
             raise RuntimeError(
                 f"geometry differs from the reference: {geo.same_attention_layout()} != "
@@ -310,7 +321,7 @@ class CaseRunner:
             handle.check_page_size(geo.page_size_bytes)  # KVCACHED_ENABLE=1 without kvcached fails here
         pools_start = handle.kvcached_pools() if kvc else {}
         copies_start = handle.kvcached_copies() if kvc else None
-        workload = self._workload(entry, case, res.plan, geo)
+        workload = self._workload(entry, case, res.plan, geo, handle.scheduler_limits)
         res.workload = workload
         self._instrument(handle, knobs, geo)
         res.requests, res.t_passes, res.corrupted_blocks, res.engine_error = self._run_passes(handle, case, workload)
