@@ -314,13 +314,17 @@ def schedule_parity(ref: CaseResult, other: CaseResult) -> ScheduleParity:
     return ScheduleParity(step is None, step)
 
 
+#: The seam writes its fired counts at each firing (`kvcached.faults`), so no file means no firing.
+NEVER_FIRED_NO_FILE = "fault plan never fired (the seam writes its fired counts at each firing: none were written)"
+
+
 # ---- stage 5: facts the case exists to exercise --------------------------------------------
 def _fault_plan_checks(case: Case, other: CaseResult, probe_partial_hits: int) -> tuple[str, Findings]:
     """A fault plan must fire exactly as planned (and see its trigger, if it has one)."""
     found = Findings()
     fired = other.fault.fired if other.fault else None
     if fired is None:
-        found.add(ProblemKind.CHECK, "fault plan: the seam wrote no fired counts (plan never loaded?)")
+        found.add(ProblemKind.CHECK, NEVER_FIRED_NO_FILE)
         text = "no fired file"
     else:
         total = sum(fired.values())
@@ -630,7 +634,7 @@ def _fired_as_planned(case: Case, other: CaseResult) -> tuple[str, Findings]:
     found = Findings()
     fired = other.fault.fired if other.fault else None
     if fired is None:
-        found.add(ProblemKind.CHECK, "fault plan: the seam wrote no fired counts (plan never loaded?)")
+        found.add(ProblemKind.CHECK, NEVER_FIRED_NO_FILE)
         return "no fired file", found
     total, most = sum(fired.values()), case.fault.expected_fired * case.layout.tensor_parallel
     if total == 0:
