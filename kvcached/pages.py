@@ -29,13 +29,15 @@ as a retry that skips what is gone), name the pages a failed map left behind
   stop at it, and `collect` gives back reserve pages (as the fence allows) while the pool
   is over it. In-use pages are never taken: `over_limit` says how many pages the reserve
   cannot cover, for the caller to empty;
-* a page whose unmap failed goes to the `Quarantine` (retried with a backoff; it decides
+* a page whose unmap failed, or that a failed map's undo left mapped somewhere (the
+  space's `still_mapped`), goes to the `Quarantine` (retried with a backoff; it decides
   the pool's `PoolHealth`);
 * a fault plan's ``map`` site is a `FailingSpace` between the pool and its space;
 * a space that defers maps (the ranks of a multiprocess engine) has its reserve refilled
   *ahead of demand* without waiting: the refill is sent, its pages are ``pending``, and
   they join the reserve once every rank confirmed, at the pool's next decision. A refused
-  refill leaves nothing mapped and is counted as a map failure. So a step whose demand the
+  refill leaves nothing usable and is counted as a map failure (what a rank's failed undo
+  left mapped is quarantined, as for a map that waits). So a step whose demand the
   reserve covers waits for no round trip.
 
 Thread safety: every public method of `PagePool` holds its (re-entrant) lock, and the
@@ -113,7 +115,8 @@ class KvPageSpace(Protocol):
     maps the same kv pages on every rank of a multiprocess engine through a channel.
 
     * ``map_pages`` is all-or-nothing: when it raises, no page of the batch is usable; the
-      pages its failed undo left mapped somewhere are those `still_mapped` names.
+      pages its failed undo left mapped somewhere are those `still_mapped` names (the
+      same for a `Confirmation` that raises).
     * ``map_pages_later`` sends a map and returns its `Confirmation`. ``defers_maps``: True
       when that returns before the maps are done (the pool then refills ahead of demand
       with it); False when it maps at once, in which case the pool maps its refills itself
@@ -598,9 +601,10 @@ class PagePool:
         for conf, batch in self.pending.take(wait, pages):
             try:
                 conf.result()
-            except BackendError:  # refused on some rank: undone on every rank (the protocol)
+            except BackendError:  # refused on some rank: undone on every rank (the protocol) ...
                 self._tally.map_failures += 1
                 self.policies.capacity.invalidate()
+                self._quarantine_stuck(batch)  # ... but where an undo failed too
                 continue
             self._tally.maps += len(batch)
             for page in batch:

@@ -61,13 +61,17 @@ class PageRequest:
 
 @dataclass(frozen=True, slots=True)
 class RankReply:
-    """One rank's answer. ``ok`` False: nothing of the request happened on that rank."""
+    """One rank's answer. ``ok`` False: the request failed on that rank, and ``held`` names
+    the pages of it that the rank still maps in some backing (a map whose undo failed
+    there, an unmap that failed); every other page of the request is mapped nowhere on
+    that rank (a refused map) or was unmapped (a refused unmap)."""
 
     rank: int
     ok: bool
     refusal: Refusal = ""
     message: str = ""
     available_bytes: int = 0  # physical bytes this rank could still map after the request
+    held: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +97,11 @@ class RankLayout:
 class RankPages:
     """Worker side: one rank's KV ranges and the protocol's answers for them.
 
-    Invariant: ``mapped`` is exactly the set of kv pages mapped in every range of ``space``.
+    Invariant: ``mapped`` is exactly the set of kv pages that some range of ``space`` maps.
+    Such a page is mapped in every range unless a failed call left it behind (a map whose
+    undo failed, an unmap that failed); the reply to that call named it (`RankReply.held`),
+    so the scheduler never maps it again and retries its unmap here, which unmaps whatever
+    the ranges still map of it.
     """
 
     def __init__(self, rank: int, space: PageSpace, geometry: Geometry, premapped: Sequence[int] = (),
@@ -138,20 +146,32 @@ class RankPages:
                 return RankReply(self.rank, True, available_bytes=self._available(fresh))
             try:
                 self._apply(request)
-            except PhysicalMemoryExhausted as e:
-                return RankReply(self.rank, False, "exhausted", f"{type(e).__name__}: {e}", self._available(True))
-            except KvcachedError as e:
-                return RankReply(self.rank, False, "driver", f"{type(e).__name__}: {e}", self._available(True))
+            except _Refused as e:  # a map or an unmap failed in the ranges
+                return self._refused(e.error, e.held)
+            except KvcachedError as e:  # refused before any range was touched
+                return self._refused(e)
             return RankReply(self.rank, True, available_bytes=self._available(fresh))
 
+    def _refused(self, error: KvcachedError, held: tuple[int, ...] = ()) -> RankReply:
+        refusal: Refusal = "exhausted" if isinstance(error, PhysicalMemoryExhausted) else "driver"
+        return RankReply(self.rank, False, refusal, f"{type(error).__name__}: {error}", self._available(True), held)
+
     def _apply(self, request: PageRequest) -> None:
+        """Apply ``request``; a map or unmap that fails in the ranges raises `_Refused`
+        with the pages it left held."""
         pages = list(request.pages)
         if request.op == "map":
             if clash := sorted(set(pages) & self.mapped):
                 raise InvariantError(f"rank {self.rank}: kv pages {clash} are already mapped")
             if self.faults is not None:
                 self.faults.check(rank_map_site(self.rank))  # before anything is mapped
-            self.space.map_pages(pages)  # all-or-nothing on this rank
+            try:
+                self.space.map_pages(pages)  # all-or-nothing on this rank, unless its undo fails
+            except KvcachedError as e:
+                # The space undid the batch; a page its undo could not unmap is still mapped
+                # in some range: on the books (mapped again, it would be refused "already
+                # mapped" by the range forever) and in the reply (the scheduler quarantines it).
+                raise self._left_behind(e, pages) from e
             self.mapped.update(pages)
             self._moved(len(pages))
         elif request.op == "unmap":
@@ -159,7 +179,11 @@ class RankPages:
                 raise InvariantError(f"rank {self.rank}: kv pages {stray} are not mapped")
             # Not strict: after a failed unmap the scheduler retries the same pages, some of
             # them perhaps unmapped in every backing already (the rank's books say "mapped").
-            self.space.unmap_pages(pages, strict=False)
+            try:
+                self.space.unmap_pages(pages, strict=False)
+            except KvcachedError as e:
+                self.mapped.difference_update(pages)  # what is left goes back on the books
+                raise self._left_behind(e, pages) from e
             self.mapped.difference_update(pages)
             self._moved(-len(pages))
         elif request.op == "close":
@@ -167,11 +191,27 @@ class RankPages:
         elif request.op != "capacity":
             raise InvariantError(f"unknown page operation {request.op!r}")
 
+    def _left_behind(self, error: KvcachedError, pages: Sequence[int]) -> _Refused:
+        """After a failed map or unmap of ``pages`` (none of them on the books any more):
+        those some range still maps go back on the books, and into the refusal."""
+        held = tuple(self.space.still_mapped(pages))
+        self.mapped.update(held)
+        return _Refused(error, held)
+
     def close(self) -> None:
         """Unmap every page (teardown); idempotent."""
         pages = sorted(self.mapped)
         self.mapped.clear()
         self.space.unmap_pages(pages)
+
+
+class _Refused(Exception):  # a reply in the making: it never leaves `RankPages.handle`
+    """A failed map or unmap on a rank, with the pages it left held there."""
+
+    def __init__(self, error: KvcachedError, held: tuple[int, ...]) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.held = held
 
 
 class PageChannel(Protocol):
@@ -208,7 +248,8 @@ class RankedPageSpace:
 
     Invariant: a page this space reports mapped is mapped on every rank; a failed
     `map_pages` leaves it unmapped on every rank (or raises `InvariantError` naming the
-    ranks where undoing failed too, which is never a silent state).
+    ranks where undoing failed too, which is never a silent state), except the pages a
+    rank's own undo left there, which `still_mapped` names until an unmap of them succeeds.
     """
 
     geometry: Geometry
@@ -216,8 +257,9 @@ class RankedPageSpace:
     ranks: int
     capacity_ttl_s: float = 0.1
     calls: Counter[str] = field(default_factory=Counter)  # blocking requests, by operation
-    #: Pages whose unmap some ranks refused, with those ranks (the others unmapped them).
-    _unmapped_elsewhere: dict[int, frozenset[int]] = field(default_factory=dict)
+    #: Pages some ranks still hold after a failed call (a map whose undo failed there, an
+    #: unmap they refused), with those ranks: the other ranks map none of them.
+    _held_by: dict[int, frozenset[int]] = field(default_factory=dict)
     deferred: int = 0  # maps sent ahead of demand without waiting (confirmed later)
     _available: tuple[float, int] = (0.0, 0)
 
@@ -273,19 +315,33 @@ class RankedPageSpace:
         return _LaterMap(self, pages, self.channel.call_later(PageRequest("map", pages)))
 
     def settle_map(self, pages: tuple[int, ...], replies: list[RankReply]) -> None:
-        """Raise, with the batch undone on every rank that mapped it, if any rank refused."""
+        """Raise, with the batch undone on every rank that mapped it, if any rank refused.
+
+        A page a refusing rank's own undo left mapped there is remembered with that rank
+        (`still_mapped` names it; an unmap goes there) and the error is a `DriverError`:
+        never retried as exhaustion, since the same batch would meet its own leftovers."""
         refused = [r for r in replies if not r.ok]
         if not refused:
             return
+        self._note_held(refused)
         done = frozenset(r.rank for r in replies if r.ok)
         if done:
             undo = self._call(PageRequest("unmap", pages, done))
             if stuck := [r for r in undo if not r.ok]:
                 raise InvariantError(f"map refused on {_names(refused)}; undoing it failed on {_names(stuck)}")
         why = "; ".join(f"rank {r.rank}: {r.message}" for r in refused)
+        if left := self.still_mapped(pages):
+            raise DriverError(f"kv pages {list(pages)} not mapped: {why}; undoing it left kv pages {left} "
+                              f"mapped on {sorted(set().union(*(self._held_by[p] for p in left)))}")
         if all(r.refusal == "exhausted" for r in refused):
             raise PhysicalMemoryExhausted(f"kv pages {list(pages)} not mapped: {why}")
         raise DriverError(f"kv pages {list(pages)} not mapped: {why}")
+
+    def _note_held(self, replies: Sequence[RankReply]) -> None:
+        """Remember the pages failed calls left on the ranks that replied so."""
+        for reply in replies:
+            for page in reply.held:
+                self._held_by[page] = self._held_by.get(page, frozenset()) | {reply.rank}
 
     def unmap_pages(self, kv_pages: Sequence[int], *, strict: bool = True) -> None:
         """Unmap on every rank. A rank that fails keeps the pages (its books say so): they
@@ -299,24 +355,25 @@ class RankedPageSpace:
             return
         groups: dict[frozenset[int], list[int]] = {}
         for page in kv_pages:
-            groups.setdefault(self._unmapped_elsewhere.get(page, frozenset()), []).append(page)
+            groups.setdefault(self._held_by.get(page, frozenset()), []).append(page)
         failed: list[RankReply] = []
         for holders, pages in groups.items():  # holders empty: every rank
             replies = self._call(PageRequest("unmap", tuple(pages), holders))
             refused = frozenset(r.rank for r in replies if not r.ok)
             for page in pages:
                 if refused:
-                    self._unmapped_elsewhere[page] = refused
+                    self._held_by[page] = refused
                 else:
-                    self._unmapped_elsewhere.pop(page, None)
+                    self._held_by.pop(page, None)
             failed += [r for r in replies if not r.ok]
         if failed:
             raise DriverError(f"kv pages {list(kv_pages)} not unmapped on {_names(failed)}")
 
     def still_mapped(self, kv_pages: Sequence[int]) -> list[int]:
-        """None: a refused map is undone on every rank before `map_pages` (or a deferred
-        map's ``result``) raises, and an undo that fails raises `InvariantError` instead."""
-        return []
+        """Those of ``kv_pages`` that a failed map (or unmap) of them left mapped on some
+        rank, as the ranks replied; a refused map is otherwise undone on every rank before
+        `map_pages` (or a deferred map's ``result``) raises."""
+        return [p for p in kv_pages if p in self._held_by]
 
     def physical_available(self) -> int:
         t, available = self._available

@@ -7,6 +7,9 @@ real: a rank whose physical budget is smaller runs out of memory first.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import pytest
 
 from kvcached import _vmm
@@ -14,7 +17,9 @@ from kvcached.budget import LocalBudget
 from kvcached.config import KvcachedConfig
 from kvcached.errors import DriverError, InvariantError, PhysicalMemoryExhausted
 from kvcached.faults import FailingRange
-from kvcached.pages import PagePool, PageSpace
+from kvcached.fence import StepFence
+from kvcached.ledger import BlockLedger
+from kvcached.pages import PagePool, PageSpace, PoolHealth
 from kvcached.ranks import PageRequest, RankedPageSpace, RankLayout, RankPages, RankReply, check_layouts
 from kvcached.space import plan_geometry
 
@@ -184,8 +189,8 @@ def test_an_admission_beyond_the_reserve_costs_one_round_trip() -> None:
 def test_an_unmap_failure_on_one_rank_quarantines_the_page_until_the_retry() -> None:
     space, ranks, _ = _engine(None, None)
     backing = FailingRange(ranks[1].space.ranges[0])
-    ranks[1].space = PageSpace((backing, *ranks[1].space.ranges[1:]), ranks[1].space.vmm_pages_per_kv_page,
-                               ranks[1].space.num_kv_pages)  # type: ignore[arg-type]
+    ranks[1].space = PageSpace((backing, *ranks[1].space.ranges[1:]),  # type: ignore[arg-type]
+                               ranks[1].space.vmm_pages_per_kv_page, ranks[1].space.num_kv_pages)
     pool = PagePool(space, KvcachedConfig(min_reserve_pages=0, max_reserve_pages=0))
     pool.acquire([0, 1])
     pool.release([1])
@@ -199,3 +204,99 @@ def test_an_unmap_failure_on_one_rank_quarantines_the_page_until_the_retry() -> 
     pool.acquire([1])
     assert all(r.mapped == {0, 1} for r in ranks)
     pool.close()
+
+
+# ---- double failures on the rank path (issue 31, item 5) ------------------------------------------
+def _failing_engine(ranks: int) -> tuple[RankedPageSpace, list[RankPages], list[list[FailingRange]],
+                                         list[LocalBudget]]:
+    """``ranks`` ranks whose backings are real CPU ranges behind the backend fault seam, each
+    rank charging its own budget (so what a failed undo leaves mapped is seen charged)."""
+    geometry = plan_geometry(STRIDES, NUM_BLOCKS, PAGE)
+    pages, backings, budgets = [], [], []
+    for rank in range(ranks):
+        failing = [FailingRange(_vmm.VirtualRange("cpu", size, PAGE)) for size in geometry.reserved_bytes]
+        budget = LocalBudget(None)
+        space = PageSpace(tuple(failing), geometry.vmm_pages, geometry.num_kv_pages, budget)  # type: ignore[arg-type]
+        pages.append(RankPages(rank, space, geometry))
+        backings.append(failing)
+        budgets.append(budget)
+    return RankedPageSpace(geometry, InOrderChannel(pages), ranks), pages, backings, budgets
+
+
+def _error() -> DriverError:
+    return DriverError("CUDA_ERROR_UNKNOWN", "CUDA_ERROR_UNKNOWN", 999)
+
+
+def _held(backings: Sequence[Any], geometry_vmm: tuple[int, ...]) -> set[int]:
+    """kv pages some backing of one rank maps (any of their VMM pages)."""
+    return {v // k for r, k in zip(backings, geometry_vmm, strict=True) for v in r.mapped_pages()}
+
+
+def _assert_books_match(pool: PagePool, ranks: list[RankPages], backings: Sequence[Sequence[Any]],
+                        budgets: list[LocalBudget]) -> None:
+    """What every rank's backings hold is the rank's books, the pool's usable mapped set plus
+    its quarantine, and exactly what the rank is charged for."""
+    vmm = ranks[0].geometry.vmm_pages
+    for rank, failing, budget in zip(ranks, backings, budgets, strict=True):
+        held = _held(failing, vmm)
+        assert held == rank.mapped
+        assert pool.mapped <= held <= pool.mapped | pool.quarantined
+        assert budget.used == sum(r.num_mapped for r in failing) * PAGE
+
+
+def _pool(space: RankedPageSpace) -> PagePool:
+    return PagePool(space, KvcachedConfig(min_reserve_pages=0, max_reserve_pages=0, capacity_ttl_s=0.0,
+                                          map_retries=0), fence=StepFence())
+
+
+def test_the_pool_gets_stuck() -> None:
+    """(a) At TP=1, a map batch fails on the rank and the rank's own undo fails in another
+    backing: page 2 stays mapped (and charged) in backing 0. The rank must report it, the
+    pool quarantine it, later batches map other pages, and the retry heal it. (Before: the
+    rank's books did not list it, nothing was quarantined, and every later batch began with
+    page 2 and was refused "already mapped": the pool never mapped another page.)"""
+    space, ranks, backings, budgets = _failing_engine(1)
+    pool = _pool(space)
+    ledger = BlockLedger(NUM_BLOCKS, space.geometry.blocks_per_page, pool)
+    per_page = space.geometry.blocks_per_page
+    held = ledger.allocate(2 * per_page)  # pages 0 and 1
+    backings[0][1].fail_call("map", 1, _error())  # page 2 fails in backing 1 ...
+    backings[0][0].fail_call("unmap", 1, _error())  # ... and the rank's undo in backing 0
+    with pytest.raises(DriverError):
+        ledger.allocate(per_page)
+    assert pool.quarantined == {2} and pool.health is PoolHealth.DEGRADED
+    assert _held(backings[0], space.geometry.vmm_pages) == {0, 1, 2} and budgets[0].used > 2 * _kv_page_bytes()
+    _assert_books_match(pool, ranks, backings, budgets)
+    more = ledger.allocate(per_page)  # the next batch maps another page
+    assert {b // per_page for b in more} == {3}
+    assert ledger.ensure_backed(2 * per_page) == 2 * per_page, "admissions beyond the pool's size are served"
+    pool.collect()  # the retry unmaps what backing 0 still holds of page 2
+    assert pool.quarantined == set() and pool.health is PoolHealth.HEALTHY
+    _assert_books_match(pool, ranks, backings, budgets)
+    ledger.release(held + more)
+    ledger.check()
+    pool.close()
+    assert not ranks[0].mapped and budgets[0].used == 0
+
+
+def test_the_pool_gets_stuck_on_a_refill_sent_ahead() -> None:
+    """(a), for a refill sent without waiting: its confirmation fails the same way, and the
+    page the rank's undo left behind is quarantined when the pool settles it (it was
+    dropped, and the next refill began with it again)."""
+    space, ranks, backings, budgets = _failing_engine(1)
+    pool = PagePool(space, KvcachedConfig(min_reserve_pages=1, max_reserve_pages=2, capacity_ttl_s=0.0,
+                                          map_retries=0), fence=StepFence())
+    backings[0][1].fail_call("map", 2, _error())  # the refill of page 1 fails in backing 1 ...
+    backings[0][0].fail_call("unmap", 1, _error())  # ... and its undo in backing 0
+    pool.acquire([0])  # page 0 blocking, then the refill of page 1 sent ahead
+    pool.settle()
+    assert pool.quarantined == {1} and pool.counters().map_failures == 1
+    _assert_books_match(pool, ranks, backings, budgets)
+    pool.acquire([2])  # the next refill maps another page
+    pool.settle()
+    assert set(pool.reserve) == {3} and pool.counters().map_failures == 1
+    pool.collect()
+    assert pool.quarantined == set() and pool.health is PoolHealth.HEALTHY
+    _assert_books_match(pool, ranks, backings, budgets)
+    pool.close()
+    assert not ranks[0].mapped and budgets[0].used == 0
