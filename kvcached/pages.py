@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvcached.config import KvcachedConfig
-from kvcached.errors import BackendError, ConfigError, InvariantError, PhysicalMemoryExhausted
+from kvcached.errors import BackendError, ConfigError, DriverError, InvariantError, PhysicalMemoryExhausted
 from kvcached.faults import FaultInjector
 from kvcached.fence import StepFence
 from kvcached.policies import (
@@ -572,16 +572,26 @@ class PagePool:
             return
         try:
             self._maps_into.map_pages(pages)
-        except BackendError:  # exhaustion, or a driver error: nothing of the batch is usable
-            self._tally.map_failures += 1
-            self.policies.capacity.invalidate()
-            self._quarantine_stuck(pages)
+        except PhysicalMemoryExhausted as exc:  # nothing of the batch is usable
+            if stuck := self._map_failed(pages):
+                # Never retried as exhaustion: the same batch would meet its own leftovers.
+                raise DriverError(f"kv pages {stuck} stay mapped after a failed undo (quarantined): {exc}") from exc
+            raise
+        except BackendError:  # a driver error: nothing of the batch is usable
+            self._map_failed(pages)
             raise
         self.policies.capacity.invalidate()
         self._tally.maps += len(pages)
         for page in pages:
             self.reserve[page] = 0
         self._mapped_now(pages)
+
+    def _map_failed(self, pages: Sequence[int]) -> list[int]:
+        """A map of ``pages`` failed: count it, and quarantine what its undo left mapped
+        (returned)."""
+        self._tally.map_failures += 1
+        self.policies.capacity.invalidate()
+        return self._quarantine_stuck(pages)
 
     def _mapped_now(self, pages: Sequence[int]) -> None:
         """Bookkeeping after ``pages`` joined the reserve (already entered there)."""
@@ -601,10 +611,8 @@ class PagePool:
         for conf, batch in self.pending.take(wait, pages):
             try:
                 conf.result()
-            except BackendError:  # refused on some rank: undone on every rank (the protocol) ...
-                self._tally.map_failures += 1
-                self.policies.capacity.invalidate()
-                self._quarantine_stuck(batch)  # ... but where an undo failed too
+            except BackendError:  # refused on some rank: undone on every rank, but where an undo failed
+                self._map_failed(batch)
                 continue
             self._tally.maps += len(batch)
             for page in batch:
@@ -652,12 +660,14 @@ class PagePool:
         self._tally.unmaps += len(pages)
         self._unmapped.freed(pages, self._mapped)
 
-    def _quarantine_stuck(self, pages: Sequence[int]) -> None:
-        """After a failed map whose undo failed too: pages a backing still maps are
-        quarantined (never handed out, retried by `collect`) instead of looking free."""
+    def _quarantine_stuck(self, pages: Sequence[int]) -> list[int]:
+        """After a failed map whose undo failed too: pages a backing (or a rank) still maps
+        are quarantined (never handed out or mapped again, retried by `collect`) instead of
+        looking free; returns them."""
         if stuck := self.space.still_mapped(pages):
             self.policies.quarantine.add(stuck)
             self._mapped.update(stuck)
+        return stuck
 
     def _retry_quarantine(self, *, now: bool = False) -> None:
         """Unmap the quarantined pages again (each backing or rank unmaps what it still
@@ -725,9 +735,10 @@ class PagePool:
 
         The pages not mapped yet go in one batch (one round trip to the ranks of a
         multiprocess engine, not one per page); if that runs out of memory, one at a time
-        until capacity runs out, which is expected here, not an error. A page of a refill in
-        flight is never mapped twice: it is waited for, after the batch (a channel that
-        keeps order has its reply in by then).
+        until capacity runs out, which is expected here, not an error. A page the batch's
+        failed undo left mapped somewhere is quarantined, not tried again. A page of a
+        refill in flight is never mapped twice: it is waited for, after the batch (a channel
+        that keeps order has its reply in by then).
         """
         with self._lock:
             pages = list(pages)
@@ -740,6 +751,8 @@ class PagePool:
                     mapped = len(missing)
                 except BackendError:  # short of memory, or a driver error: one page at a time
                     for page in missing:
+                        if page in self.quarantined:  # left mapped by the batch's failed undo
+                            continue
                         try:
                             self._map_batch([page])
                         except BackendError:

@@ -247,9 +247,11 @@ class RankedPageSpace:
     """Scheduler side: the kv pages of an engine whose memory lives on ``ranks`` ranks.
 
     Invariant: a page this space reports mapped is mapped on every rank; a failed
-    `map_pages` leaves it unmapped on every rank (or raises `InvariantError` naming the
-    ranks where undoing failed too, which is never a silent state), except the pages a
-    rank's own undo left there, which `still_mapped` names until an unmap of them succeeds.
+    `map_pages` leaves no page of the batch usable and every page unmapped on every rank,
+    except those an undo left on some rank (the refusing rank's own, or the unmap sent to
+    the ranks that mapped the batch): `still_mapped` names them, with the ranks holding
+    them, until an unmap of them succeeds there. Such a failure is a `DriverError`, as the
+    same double failure in one process is, never an `InvariantError`.
     """
 
     geometry: Geometry
@@ -317,9 +319,10 @@ class RankedPageSpace:
     def settle_map(self, pages: tuple[int, ...], replies: list[RankReply]) -> None:
         """Raise, with the batch undone on every rank that mapped it, if any rank refused.
 
-        A page a refusing rank's own undo left mapped there is remembered with that rank
-        (`still_mapped` names it; an unmap goes there) and the error is a `DriverError`:
-        never retried as exhaustion, since the same batch would meet its own leftovers."""
+        A page an undo left mapped on a rank (a refusing rank's own undo, or the unmap sent
+        to the ranks that mapped the batch) is remembered with that rank (`still_mapped`
+        names it; an unmap goes there) and the error is a `DriverError`: never retried as
+        exhaustion, since the same batch would meet its own leftovers."""
         refused = [r for r in replies if not r.ok]
         if not refused:
             return
@@ -327,8 +330,7 @@ class RankedPageSpace:
         done = frozenset(r.rank for r in replies if r.ok)
         if done:
             undo = self._call(PageRequest("unmap", pages, done))
-            if stuck := [r for r in undo if not r.ok]:
-                raise InvariantError(f"map refused on {_names(refused)}; undoing it failed on {_names(stuck)}")
+            self._note_held([r for r in undo if not r.ok])
         why = "; ".join(f"rank {r.rank}: {r.message}" for r in refused)
         if left := self.still_mapped(pages):
             raise DriverError(f"kv pages {list(pages)} not mapped: {why}; undoing it left kv pages {left} "

@@ -137,3 +137,22 @@ def test_a_quarantine_that_keeps_failing_backs_off_marks_the_pool_failed_and_rec
     assert pool.health is PoolHealth.HEALTHY and pool.quarantined == set() and budget.used == 0
     pool.acquire([1])
     consistent(pool, ranges, budget)
+
+
+def test_a_map_whose_undo_fails_is_not_retried_as_exhaustion() -> None:
+    """A waiting map runs out of memory in backing 1 and its undo fails in backing 0 (with
+    exhaustion too): the pages left there are quarantined and the error is a DriverError,
+    not retried: the retry would map the same batch onto its own leftovers ('already
+    mapped', an InvariantError into the caller)."""
+    pool, ranges, budget = pool_over()
+    pool = PagePool(pool.space, KvcachedConfig(page_size=PAGE, min_reserve_pages=0, max_reserve_pages=0,
+                                               capacity_ttl_s=0.0, map_retries=2, retry_backoff_s=0.0),
+                    fence=StepFence())
+    ranges[1].fail_call("map", 2, PhysicalMemoryExhausted("out of memory"))  # page 2
+    ranges[0].fail_call("unmap", 1, PhysicalMemoryExhausted("out of memory"))  # its undo
+    with pytest.raises(DriverError, match="quarantined"):
+        pool.acquire([1, 2], wait=True)
+    assert pool.quarantined == {1, 2} and pool.in_use == set() and ranges[0].calls["map"] == 2
+    pool.collect()
+    pool.acquire([1, 2], wait=True)
+    consistent(pool, ranges, budget)

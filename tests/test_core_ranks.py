@@ -300,3 +300,44 @@ def test_the_pool_gets_stuck_on_a_refill_sent_ahead() -> None:
     _assert_books_match(pool, ranks, backings, budgets)
     pool.close()
     assert not ranks[0].mapped and budgets[0].used == 0
+
+
+def _double_failure_in_one_process() -> tuple[PagePool, list[FailingRange]]:
+    """The control of (b): the same kv pages in this process's ranges, the map failing in
+    backing 1 and its undo in backing 0."""
+    geometry = plan_geometry(STRIDES, NUM_BLOCKS, PAGE)
+    failing = [FailingRange(_vmm.VirtualRange("cpu", size, PAGE)) for size in geometry.reserved_bytes]
+    pool = _pool(PageSpace(tuple(failing), geometry.vmm_pages, geometry.num_kv_pages))  # type: ignore[arg-type]
+    failing[1].fail_call("map", 1, _error())
+    failing[0].fail_call("unmap", 1, _error())
+    return pool, failing
+
+
+def test_invariant_error_into_engine_core() -> None:
+    """(b) A map refused on rank 1 whose undo fails on rank 0: the admission check must
+    not raise (it raised InvariantError into EngineCore). The pages the undo left on rank 0
+    are quarantined and the pool is DEGRADED, as the same double failure in one process is
+    (the control), and a retry on rank 0 heals it."""
+    space, ranks, backings, budgets = _failing_engine(2)
+    control, _ = _double_failure_in_one_process()
+    pool = _pool(space)
+    per_page = space.geometry.blocks_per_page
+    pools = (pool, control)
+    ledgers = [BlockLedger(NUM_BLOCKS, per_page, p) for p in pools]
+    backings[1][1].fail_call("map", 1, _error())  # rank 1 refuses the batch
+    backings[0][0].fail_call("unmap", 1, _error())  # rank 0's undo fails in backing 0
+    for p, ledger in zip(pools, ledgers, strict=True):
+        ledger.ensure_backed(3 * per_page)  # the admission check: a miss at worst, never an exception
+        assert p.counters().map_failures >= 1 and p.quarantined and p.health is PoolHealth.DEGRADED
+        assert p.quarantined.isdisjoint(p.mapped) and p.quarantined.isdisjoint(p.lowest_unmapped(4))
+    assert pool.quarantined == {0, 1, 2} == ranks[0].mapped and not ranks[1].mapped
+    _assert_books_match(pool, ranks, backings, budgets)
+    for p, ledger in zip(pools, ledgers, strict=True):
+        assert ledger.ensure_backed(3 * per_page) >= 3 * per_page, "the next admission maps other pages"
+        p.collect()  # the retry, on the ranks that still hold the pages
+        assert p.quarantined == set() and p.health is PoolHealth.HEALTHY
+        ledger.check()
+    _assert_books_match(pool, ranks, backings, budgets)
+    for p in pools:
+        p.close()
+    assert all(not r.mapped for r in ranks) and all(b.used == 0 for b in budgets)
