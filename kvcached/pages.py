@@ -124,7 +124,10 @@ class KvPageSpace(Protocol):
     * ``unmap_pages``: ``strict`` makes a page no backing maps an `InvariantError` before
       anything changes; a retry after a partial failure passes False (what is left is
       unmapped, what is gone is skipped). A failure raises `BackendError` after every
-      backing (or rank) was tried.
+      backing (or rank) was tried; the pages it left mapped somewhere are those
+      `still_mapped` names (the outcome is per page: the others are unmapped everywhere).
+    * ``still_mapped``: asked after a failed map or unmap of those pages, names the ones
+      some backing (or rank) still maps.
     """
 
     @property
@@ -636,10 +639,11 @@ class PagePool:
         return True
 
     def _unmap(self, pages: list[int]) -> None:
-        """Unmap reserve ``pages``. If a backing (or a rank) refuses, the pages are
-        quarantined instead: out of the reserve, never handed out or mapped again, still
-        charged (the memory is still held somewhere), and retried by `collect`. The failure
-        is counted (``unmap_failures``), not raised: the engine goes on without those pages."""
+        """Unmap reserve ``pages``. If a backing (or a rank) refuses, the pages it left
+        mapped are quarantined instead: out of the reserve, never handed out or mapped
+        again, still charged (the memory is still held somewhere), and retried by `collect`.
+        The failure is counted (``unmap_failures``), not raised: the engine goes on without
+        those pages."""
         if not pages:
             return
         for page in pages:
@@ -650,7 +654,10 @@ class PagePool:
         try:
             self.space.unmap_pages(pages)
         except BackendError:
-            self.policies.quarantine.add(pages)
+            # Per page: what some backing (or rank) still maps is quarantined, the rest is free.
+            stuck = self.space.still_mapped(pages)
+            self.policies.quarantine.add(stuck)
+            self._forget(sorted(set(pages).difference(stuck)))
             return
         self._forget(pages)
 
@@ -675,14 +682,18 @@ class PagePool:
         quarantine = self.policies.quarantine
         if not quarantine.due(now=now):
             return
+        pages = sorted(quarantine.pages)
         try:
-            self.space.unmap_pages(sorted(quarantine.pages), strict=False)
+            self.space.unmap_pages(pages, strict=False)
         except BackendError:
-            quarantine.retry_failed()
-            return
-        pages = quarantine.retry_succeeded()
-        self.policies.capacity.invalidate()
-        self._forget(pages)
+            # Per page: those unmapped everywhere leave the quarantine now (the space has
+            # forgotten them; kept here, every later retry of them would be refused).
+            freed = quarantine.retry_failed(still=self.space.still_mapped(pages))
+        else:
+            freed = quarantine.retry_succeeded()
+        if freed:
+            self.policies.capacity.invalidate()
+            self._forget(freed)
 
     # ---- policy --------------------------------------------------------------------
     def acquire(self, pages: Iterable[int], *, wait: bool = False) -> None:

@@ -21,7 +21,7 @@ or unmaps anything except `FailingSpace`, which only forwards.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -169,8 +169,11 @@ class Quarantine:
     out or maps it again, and it stays charged. After ``k`` failed retries in a row the
     next is ``2**k`` steps later (at most `MAX_RETRY_STEPS`), so a backend that keeps
     refusing costs one failing call per few hundred steps, not one per step.
-    ``unmap_failures`` counts every refused unmap (first tries and retries alike).
-    Invariant: ``failures == retry_at == 0`` whenever ``pages`` is empty after a success.
+    ``unmap_failures`` counts every refused unmap (first tries and retries alike). A retry
+    has a per-page outcome: the pages it unmapped everywhere leave, even when others fail.
+    Invariants: ``pages`` are exactly the pages some backing or rank still maps (after
+    the failed call that put them here); ``failures == retry_at == 0`` whenever ``pages``
+    is empty after a retry.
     """
 
     pages: set[int] = field(default_factory=set)
@@ -191,11 +194,19 @@ class Quarantine:
         """Whether a retry should run (``now``: whenever there is something to retry)."""
         return bool(self.pages) and (now or self.steps >= self.retry_at)
 
-    def retry_failed(self) -> None:
-        """The retry failed: back off."""
+    def retry_failed(self, still: Collection[int] | None = None) -> list[int]:
+        """The retry failed for ``still`` (default: every page): back off. The other pages
+        were unmapped everywhere: returns them, now free, and forgets them (a page that no
+        backing or rank maps any more can only be refused by a later retry, never healed).
+        ``still`` empty: nothing is left, as after a success."""
         self.unmap_failures += 1
+        freed = [] if still is None else sorted(self.pages.difference(still))
+        if len(freed) == len(self.pages):
+            return self.retry_succeeded()
+        self.pages.difference_update(freed)  # in place: the pool hands this set out
         self.failures += 1
         self.retry_at = self.steps + min(2**self.failures, MAX_RETRY_STEPS)
+        return freed
 
     def retry_succeeded(self) -> list[int]:
         """The retry unmapped everything: returns the pages, now free, and forgets them."""

@@ -346,9 +346,11 @@ class RankedPageSpace:
                 self._held_by[page] = self._held_by.get(page, frozenset()) | {reply.rank}
 
     def unmap_pages(self, kv_pages: Sequence[int], *, strict: bool = True) -> None:
-        """Unmap on every rank. A rank that fails keeps the pages (its books say so): they
-        are remembered with the ranks still holding them (`DriverError` is raised), and a
-        later unmap of the same pages, the pool's retry, goes to those ranks only.
+        """Unmap on every rank. A rank that fails keeps the pages its reply names
+        (`RankReply.held`): each is remembered with the ranks still holding it (`DriverError`
+        is raised after every group was sent; `still_mapped` names them), and a later unmap
+        of it, the pool's retry, goes to those ranks only. The outcome is per page: a page
+        no rank holds any more is forgotten here, whatever happened to the others.
 
         ``strict`` changes nothing here: each rank checks the pages against its own books
         (a page it does not map is refused there), and a retry is sent only to the ranks
@@ -361,13 +363,11 @@ class RankedPageSpace:
         failed: list[RankReply] = []
         for holders, pages in groups.items():  # holders empty: every rank
             replies = self._call(PageRequest("unmap", tuple(pages), holders))
-            refused = frozenset(r.rank for r in replies if not r.ok)
-            for page in pages:
-                if refused:
-                    self._held_by[page] = refused
-                else:
-                    self._held_by.pop(page, None)
-            failed += [r for r in replies if not r.ok]
+            refused = [r for r in replies if not r.ok]
+            for page in pages:  # what the ranks that were asked hold now
+                self._held_by.pop(page, None)
+            self._note_held(refused)
+            failed += refused
         if failed:
             raise DriverError(f"kv pages {list(kv_pages)} not unmapped on {_names(failed)}")
 

@@ -157,6 +157,18 @@ def test_quarantine_backs_off_and_decides_health() -> None:
     assert quarantine.health is PoolHealth.HEALTHY and (quarantine.failures, quarantine.retry_at) == (0, 0)
 
 
+def test_a_quarantine_retry_has_a_per_page_outcome() -> None:
+    """A retry that unmapped some pages everywhere and failed for others frees the first at
+    once and backs off for the rest only; one that left nothing is a success."""
+    quarantine = Quarantine()
+    quarantine.add([1, 2, 5])
+    assert quarantine.retry_failed(still=[2]) == [1, 5]
+    assert quarantine.pages == {2} and quarantine.failures == 1 and quarantine.health is PoolHealth.DEGRADED
+    assert quarantine.retry_failed(still=[]) == [2]
+    assert quarantine.health is PoolHealth.HEALTHY and (quarantine.failures, quarantine.retry_at) == (0, 0)
+    assert quarantine.unmap_failures == 3
+
+
 def test_quarantine_backoff_is_capped() -> None:
     quarantine = Quarantine(pages={0}, failures=40)
     quarantine.retry_failed()

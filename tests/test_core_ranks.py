@@ -341,3 +341,39 @@ def test_invariant_error_into_engine_core() -> None:
     for p in pools:
         p.close()
     assert all(not r.mapped for r in ranks) and all(b.used == 0 for b in budgets)
+
+
+def test_a_quarantine_that_never_heals() -> None:
+    """(c) Page 1 is quarantined on rank 0, page 2 on rank 1; their joint retry succeeds on
+    rank 0 and fails on rank 1. Page 1 is free again at once (the space forgot it already:
+    keeping it quarantined made every later retry of it "not mapped" on every rank, and the
+    pool FAILED with healthy backends); page 2 heals at its own retry."""
+    space, ranks, backings, budgets = _failing_engine(2)
+    pool = _pool(space)
+    pool.acquire([0, 1, 2])
+    pool.release([1])
+    backings[0][0].fail_call("unmap", 1, _error())
+    pool.collect()  # page 1: unmapped on rank 1, refused on rank 0
+    assert pool.quarantined == {1}
+    pool.release([2])
+    backings[0][0].fail_call("unmap", 1, _error())  # page 1's first retry fails again
+    backings[1][0].fail_call("unmap", 1, _error())  # page 2: refused on rank 1
+    pool.collect()
+    assert pool.quarantined == {1, 2}
+    backings[1][0].fail_call("unmap", 1, _error())  # the joint retry: fails on rank 1 only
+    for _ in range(4):  # the retry is due 2 steps after the failed one
+        pool.collect()
+        if ranks[0].mapped == {0}:
+            break
+    assert pool.quarantined == {2}, "page 1 left the quarantine with its successful unmap"
+    assert 1 in pool.lowest_unmapped(2)
+    _assert_books_match(pool, ranks, backings, budgets)
+    for _ in range(64):  # the backends are healthy from now on
+        pool.collect()
+        if pool.health is PoolHealth.HEALTHY:
+            break
+    assert pool.health is PoolHealth.HEALTHY and pool.quarantined == set()
+    pool.acquire([1, 2])
+    _assert_books_match(pool, ranks, backings, budgets)
+    pool.close()
+    assert all(not r.mapped for r in ranks) and all(b.used == 0 for b in budgets)
