@@ -8,7 +8,13 @@ page pool's view consistent with that:
 * choice is page-aware: free blocks on mapped pages first, fullest page first, so
   mapped pages fill up before new ones are mapped and emptied pages can be returned;
 * `hold`/`allocate` are all-or-nothing: if mapping a page fails in the middle, nothing
-  is held and the pool has unmapped whatever the batch had mapped.
+  is held and the pool has unmapped whatever the batch had mapped;
+* free blocks on a quarantined page (its unmap failed somewhere: `PagePool.quarantined`)
+  are free but not usable: the page is neither mapped for use nor mappable until a retry
+  succeeds. Invariant: ``num_free == backed_free + (free blocks on unmapped pages) +
+  (free blocks on quarantined pages)``, and `usable_free` is the first two: an allocation
+  beyond it raises `PhysicalMemoryExhausted` (a scheduling miss, nothing changed), as a
+  hold of a block on a quarantined page does.
 
 The ledger does not know *why* a block is held; policy (prefix caching, eviction) is the
 caller's.
@@ -25,7 +31,7 @@ import heapq
 from collections.abc import Collection, Iterable, Iterator, Sequence
 
 from kvcached.budget import limiter_failure
-from kvcached.errors import ConfigError, InvariantError
+from kvcached.errors import ConfigError, InvariantError, PhysicalMemoryExhausted
 from kvcached.pages import PagePool
 from kvcached.stats import PoolStats
 
@@ -80,7 +86,17 @@ class BlockLedger:
     # ---- queries -------------------------------------------------------------------
     @property
     def num_free(self) -> int:
+        """Blocks not held, those on quarantined pages included (see `usable_free`)."""
         return self.num_blocks - self.num_held
+
+    @property
+    def usable_free(self) -> int:
+        """Free blocks an allocation can have: `num_free` less the free blocks of quarantined
+        pages. O(quarantined pages): none while the pool is healthy."""
+        quarantined = self.pool.quarantined
+        if not quarantined:
+            return self.num_free
+        return self.num_free - sum(len(self._free_per_page[p]) for p in quarantined if p < self.num_pages)
 
     def page_of(self, block_id: int) -> int:
         return block_id // self.blocks_per_page
@@ -213,11 +229,19 @@ class BlockLedger:
 
     # ---- state changes -------------------------------------------------------------
     def allocate(self, n: int, *, wait: bool = False) -> list[int]:
-        """Hold ``n`` page-aware chosen free blocks; all-or-nothing."""
+        """Hold ``n`` page-aware chosen free blocks; all-or-nothing.
+
+        ``n`` beyond `num_free` is the caller's bug (`InvariantError`); beyond `usable_free`
+        (free blocks on quarantined pages make up the difference) it is a shortage of
+        memory: `PhysicalMemoryExhausted`, nothing changed."""
         if n > self.num_blocks - self.num_held:  # `num_free`, without a property call per decode block
             raise InvariantError(f"allocate({n}) with {self.num_free} free blocks")
         if n <= self.backed_free:
             return self._take_mapped(n, wait)  # an admission's blocks, a decode step's block: no map
+        if n > (usable := self.usable_free):
+            raise PhysicalMemoryExhausted(
+                f"allocate({n}): {usable} usable free blocks; {self.num_free - usable} more sit on quarantined "
+                f"kv pages {sorted(self.pool.quarantined)} (an unmap failed there; retried by collect)")
         blocks = self.choose(n)
         self.hold(blocks, wait=wait)
         return blocks

@@ -700,7 +700,8 @@ class PagePool:
         """Make ``pages`` in use, mapping those not mapped in one batch (all-or-nothing;
         ``wait``: retried as the `RetryPolicy` says while memory is short).
 
-        Raises `PhysicalMemoryExhausted` (or `InjectedFault`) with no state changed.
+        Raises `PhysicalMemoryExhausted` (or `InjectedFault`) with no state changed, at once
+        (not retried) for a quarantined page: it cannot be mapped until a retry unmaps it.
         """
         with self._lock:
             wanted = sorted(set(pages))
@@ -710,6 +711,9 @@ class PagePool:
             for page in wanted:
                 if page in self.in_use or not 0 <= page < self.space.num_kv_pages:
                     raise InvariantError(f"kv page {page} is already in use or out of range")
+            if stuck := sorted(self.quarantined.intersection(wanted)):
+                raise PhysicalMemoryExhausted(f"kv pages {stuck} are quarantined (an unmap left them mapped "
+                                              "somewhere): not usable until a retry succeeds")
             missing = [p for p in wanted if p not in self.reserve]
             self.policies.retry.run(lambda: self._map_batch(missing), wait=wait)
             blocked = len(waited.union(missing))

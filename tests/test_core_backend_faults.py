@@ -156,3 +156,30 @@ def test_a_map_whose_undo_fails_is_not_retried_as_exhaustion() -> None:
     pool.collect()
     pool.acquire([1, 2], wait=True)
     consistent(pool, ranges, budget)
+
+
+def test_quarantined_blocks_still_counted_as_free() -> None:
+    """(d) Every page but a quarantined one is in use: the quarantined page's blocks are
+    free in the ledger's count but cannot be handed out. An allocation the count allows
+    must be a scheduling miss (`PhysicalMemoryExhausted`, nothing changed), not the
+    InvariantError of a choice that finds too few blocks; holding a block of that page
+    (vLLM's touch of a CLEAN block) is refused the same way."""
+    pool, ranges, budget = pool_over()
+    ledger = BlockLedger(PAGES * 4, 4, pool)
+    blocks = ledger.allocate(PAGES * 4)
+    on_page_1 = [b for b in blocks if b // 4 == 1]
+    ledger.release(on_page_1)
+    ranges[1].fail_call("unmap", 1, DriverError("CUDA_ERROR_UNKNOWN", "CUDA_ERROR_UNKNOWN", 999))
+    pool.collect()
+    assert pool.quarantined == {1} and ledger.num_free == 4 and ledger.backed_free_count() == 0
+    before = (ledger.num_held, set(pool.mapped), budget.used)
+    with pytest.raises(PhysicalMemoryExhausted, match="quarantined"):
+        ledger.allocate(1)
+    with pytest.raises(PhysicalMemoryExhausted, match="quarantined"):
+        ledger.hold([on_page_1[0]])
+    assert (ledger.num_held, set(pool.mapped), budget.used) == before
+    assert ledger.usable_free == 0, "blocks on a quarantined page are not usable"
+    ledger.check()
+    pool.collect()  # the retry frees the page: its blocks are usable again
+    assert ledger.usable_free == 4 and len(ledger.allocate(4)) == 4
+    consistent(pool, ranges, budget)
