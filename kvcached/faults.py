@@ -301,6 +301,11 @@ class FailingRange:
             raise ConfigError(f"fail_call({op!r}, {nth}): op must be one of {self.OPS} and nth >= 1")
         self._planned[op].append((self.calls[op] + nth, error))
 
+    def recover(self) -> None:
+        """Forget every failure planned and not yet raised: the backend has recovered."""
+        for planned in self._planned.values():
+            planned.clear()
+
     def _check(self, op: str) -> None:
         self.calls[op] += 1
         for due, error in list(self._planned[op]):

@@ -1,13 +1,20 @@
-"""Stateful property test of the elastic core on the real CPU backend.
+"""Stateful property tests of the elastic core on the real CPU backend.
 
-A model of the state (which blocks are held, what byte each held block carries) is driven
-with random allocate / free / shrink / step / inject-fault operations against a real
-`BlockLedger` + `PagePool` over a memfd-backed `VirtualRange` with a physical budget.
+`ElasticCoreMachine`: a model of the state (which blocks are held, what byte each held
+block carries) is driven with random allocate / free / shrink / step / inject-fault
+operations against a real `BlockLedger` + `PagePool` over a memfd-backed `VirtualRange`
+with a physical budget.
+
+`RankedFaultsMachine`: the production path (`RankedPageSpace` over `RankPages`, two ranks
+of two backings) with failures planned on every backing of every rank (maps, undos,
+unmaps, retries) and on a rank, and the backends' recovery (issue 31, item 5).
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -16,11 +23,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvcached.budget import LocalBudget
 from kvcached.config import KvcachedConfig
-from kvcached.errors import InjectedFault, PhysicalMemoryExhausted
-from kvcached.faults import FaultInjector
+from kvcached.errors import DriverError, InjectedFault, PhysicalMemoryExhausted
+from kvcached.faults import FailingRange, FaultInjector
 from kvcached.fence import StepFence
 from kvcached.ledger import BlockLedger
-from kvcached.pages import PagePool
+from kvcached.pages import PagePool, PageSpace, PoolHealth
+from kvcached.ranks import PageRequest, RankedPageSpace, RankPages, RankReply
 from kvcached.space import plan_geometry
 
 _vmm = pytest.importorskip("kvcached._vmm", reason="native extension not built")
@@ -160,5 +168,229 @@ class ElasticCoreMachine(RuleBasedStateMachine):
 TestElasticCore = ElasticCoreMachine.TestCase
 TestElasticCore.settings = settings(
     max_examples=200, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+# ---- double failures on every backing and every rank (issue 31, item 5) ---------------------------
+R_PAGE = 4096
+R_STRIDES = (1024, 2048)  # two backings: 4 blocks per kv page, 1 and 2 VMM pages of it
+R_BLOCKS = 37  # 10 kv pages, the last partial
+R_RANKS = 2
+R_BUDGET_PAGES = 7  # rank 1's budget, in kv pages: exhaustion is real there
+
+
+class _InOrder:
+    """Every request to every rank, one after the other (what collective_rpc guarantees);
+    a map sent ahead is delivered at once and its replies wait for ``result()``."""
+
+    def __init__(self, ranks: list[RankPages]) -> None:
+        self.ranks = ranks
+
+    def call(self, request: PageRequest) -> list[RankReply]:
+        return [r.handle(request) for r in self.ranks]
+
+    def call_later(self, request: PageRequest) -> object:
+        replies = self.call(request)
+        return type("Done", (), {"result": lambda self: replies, "done": lambda self: True})()
+
+
+class RankedFaultsMachine(RuleBasedStateMachine):
+    """A ledger and pool over `RankedPageSpace` on two ranks of two real CPU backings each,
+    every backing behind the backend fault seam. Rules plan failing maps and unmaps on any
+    backing of any rank (so undos, unmaps and retries fail too, and retries partly succeed),
+    refusals on a rank, and the backends' recovery; invariants after every step hold the
+    books of every rank to what its backings map."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        geometry = plan_geometry(R_STRIDES, R_BLOCKS, R_PAGE)
+        self.geometry = geometry
+        self.kv_bytes = sum(geometry.vmm_pages) * R_PAGE
+        self.backings: list[list[Any]] = []  # FailingRange: delegates the rest to the real range
+        self.budgets: list[LocalBudget] = []
+        self.ranks: list[RankPages] = []
+        self.injectors: list[FaultInjector] = []
+        for rank in range(R_RANKS):
+            failing = [FailingRange(_vmm.VirtualRange("cpu", size, R_PAGE)) for size in geometry.reserved_bytes]
+            budget = LocalBudget(R_BUDGET_PAGES * self.kv_bytes if rank == 1 else None)
+            space = PageSpace(tuple(failing), geometry.vmm_pages, geometry.num_kv_pages, budget)  # type: ignore[arg-type]
+            self.injectors.append(FaultInjector.from_plans([]))
+            self.ranks.append(RankPages(rank, space, geometry, faults=self.injectors[rank]))
+            self.backings.append(failing)
+            self.budgets.append(budget)
+        self.space = RankedPageSpace(geometry, _InOrder(self.ranks), R_RANKS, capacity_ttl_s=0.0)
+        config = KvcachedConfig(page_size=R_PAGE, min_reserve_pages=1, max_reserve_pages=2, capacity_ttl_s=0.0,
+                                map_retries=1, retry_backoff_s=0.0)
+        self.fence = StepFence()
+        self.pool = PagePool(self.space, config, fence=self.fence)
+        self.ledger = BlockLedger(R_BLOCKS, geometry.blocks_per_page, self.pool)
+        self.held: set[int] = set()
+        self.in_flight = 0
+
+    def teardown(self) -> None:
+        self._recover()
+        self.pool.close()
+        assert all(not r.mapped for r in self.ranks) and all(b.used == 0 for b in self.budgets)
+        for failing in self.backings:
+            for backing in failing:
+                backing.inner.close()
+
+    # ---- helpers -------------------------------------------------------------------
+    def _recover(self) -> None:
+        for failing in self.backings:
+            for backing in failing:
+                backing.recover()
+        for rank in self.ranks:
+            self.injectors[rank.rank] = rank.faults = FaultInjector.from_plans([])
+
+    def _typed(self, action: Callable[[], object]) -> bool:
+        """Run ``action``: a failure must be a scheduling miss or a documented driver error,
+        with nothing held or taken. Returns whether it succeeded."""
+        before = (self.ledger.num_held, set(self.pool.in_use))
+        try:
+            action()
+        except (PhysicalMemoryExhausted, DriverError):
+            assert (self.ledger.num_held, set(self.pool.in_use)) == before, "a failed call changed the books"
+            return False
+        return True
+
+    def _held_by(self, rank: int) -> set[int]:
+        """kv pages some backing of ``rank`` maps (any of their VMM pages)."""
+        return {v // k for r, k in zip(self.backings[rank], self.geometry.vmm_pages, strict=True)
+                for v in r.mapped_pages()}
+
+    # ---- rules ---------------------------------------------------------------------
+    @rule(n=st.integers(min_value=1, max_value=9), wait=st.booleans())
+    def allocate(self, n: int, wait: bool) -> None:
+        if n > self.ledger.num_free:
+            return
+        blocks: list[int] = []
+        if self._typed(lambda: blocks.extend(self.ledger.allocate(n, wait=wait))):
+            assert len(blocks) == n and not self.held & set(blocks), "a block was handed out twice"
+            self.held.update(blocks)
+
+    @rule(data=st.data())
+    def hold_one(self, data: st.DataObject) -> None:
+        """vLLM's touch of a free block: any one, a quarantined page's included."""
+        free = [b for b in range(R_BLOCKS) if b not in self.held]
+        if free:
+            block = data.draw(st.sampled_from(free))
+            quarantined = block // self.geometry.blocks_per_page in self.pool.quarantined
+            if self._typed(lambda: self.ledger.hold([block])):
+                assert not quarantined, "a block of a quarantined page was handed out"
+                self.held.add(block)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        victims = data.draw(st.lists(st.sampled_from(sorted(self.held)), min_size=1, unique=True))
+        self.ledger.release(victims)
+        self.held.difference_update(victims)
+
+    @rule(n=st.integers(min_value=1, max_value=16))
+    def admission_check(self, n: int) -> None:
+        """`ensure_backed` is the admission check: never an exception, whatever fails."""
+        assert self.ledger.ensure_backed(min(n, self.ledger.num_free)) == self.ledger.backed_free_count()
+
+    @rule()
+    def begin_step(self) -> None:
+        self.fence.begin_step()
+        self.in_flight += 1
+
+    @precondition(lambda self: self.in_flight > 0)
+    @rule()
+    def end_step(self) -> None:
+        self.fence.end_step()
+        self.in_flight -= 1
+        self.pool.collect()
+
+    @rule()
+    def step(self) -> None:
+        """A step that ran and ended: the reserve is trimmed, the quarantine retried if due."""
+        self.fence.begin_step()
+        self.fence.end_step()
+        self.pool.collect()
+
+    @rule()
+    def trim(self) -> None:
+        self.pool.trim()
+
+    @rule(rank=st.integers(0, R_RANKS - 1), backing=st.integers(0, 1), op=st.sampled_from(["map", "unmap"]),
+          nth=st.integers(1, 3), exhausted=st.booleans())
+    def backend_fails(self, rank: int, backing: int, op: str, nth: int, exhausted: bool) -> None:
+        error = PhysicalMemoryExhausted("out of memory") if exhausted else \
+            DriverError("CUDA_ERROR_UNKNOWN", "CUDA_ERROR_UNKNOWN", 999)
+        self.backings[rank][backing].fail_call(op, nth, error)
+
+    @rule(rank=st.integers(0, R_RANKS - 1), backing=st.integers(0, 1), times=st.integers(1, 6))
+    def backend_keeps_refusing_unmaps(self, rank: int, backing: int, times: int) -> None:
+        """The next ``times`` unmaps of one backing fail (first tries, undos and retries)."""
+        for nth in range(1, times + 1):
+            self.backings[rank][backing].fail_call("unmap", nth, DriverError("CUDA_ERROR_UNKNOWN",
+                                                                             "CUDA_ERROR_UNKNOWN", 999))
+
+    @precondition(lambda self: self.pool.quarantined)
+    @rule()
+    def next_retry(self) -> None:
+        """Steps pass until the quarantine's backoff allows its next retry, which runs."""
+        quarantine = self.pool.policies.quarantine
+        while not quarantine.due():
+            quarantine.end_step()
+        self.pool.collect()
+
+    @rule(rank=st.integers(0, R_RANKS - 1))
+    def rank_refuses(self, rank: int) -> None:
+        self.injectors[rank].add_plan({"site": f"rank{rank}_map", "fail_next": 1})
+
+    @rule()
+    def backends_recover(self) -> None:
+        """Once the backends behave, the next due retry empties the quarantine: HEALTHY."""
+        self._recover()
+        quarantine = self.pool.policies.quarantine
+        while quarantine.pages and not quarantine.due():
+            quarantine.end_step()  # steps pass until the backoff allows the retry
+        self.pool.collect()
+        assert self.pool.quarantined == set() and self.pool.health is PoolHealth.HEALTHY
+
+    # ---- invariants ----------------------------------------------------------------
+    @invariant()
+    def backings_hold_the_books(self) -> None:
+        """On every rank: what its backings map is its books, and what it is charged for."""
+        pending = set(self.pool.pending)
+        for rank in range(R_RANKS):
+            held = self._held_by(rank)
+            assert held == self.ranks[rank].mapped
+            assert self.pool.mapped <= held <= self.pool.mapped | self.pool.quarantined | pending
+            for r, k in zip(self.backings[rank], self.geometry.vmm_pages, strict=True):
+                assert all(r.is_mapped(p * k + i) for p in self.pool.mapped for i in range(k))
+            assert self.budgets[rank].used == sum(r.num_mapped for r in self.backings[rank]) * R_PAGE
+
+    @invariant()
+    def free_pages_are_free(self) -> None:
+        """No page is both free and mapped: what the pool would map next no rank maps."""
+        free = self.pool.lowest_unmapped(self.geometry.num_kv_pages, skip_pending=True)
+        assert not set(free) & (self.pool.mapped | self.pool.quarantined)
+        for rank in range(R_RANKS):
+            assert not set(free) & self._held_by(rank)
+
+    @invariant()
+    def quarantine_is_known_and_unused(self) -> None:
+        """The space names exactly the quarantined pages as held somewhere; none holds a
+        block, none counts among the usable free blocks; health follows the quarantine."""
+        quarantined = self.pool.quarantined
+        assert self.space.still_mapped(range(self.geometry.num_kv_pages)) == sorted(quarantined)
+        assert not quarantined & self.pool.mapped and not quarantined & self.pool.in_use
+        assert not {b // self.geometry.blocks_per_page for b in self.held} & quarantined
+        on_quarantined = sum(1 for b in range(R_BLOCKS) if b // self.geometry.blocks_per_page in quarantined)
+        assert self.ledger.usable_free == self.ledger.num_free - on_quarantined
+        assert (self.pool.health is PoolHealth.HEALTHY) == (not quarantined)
+        self.ledger.check()
+        assert self.ledger.num_held == len(self.held)
+
+
+TestRankedFaults = RankedFaultsMachine.TestCase
+TestRankedFaults.settings = settings(
+    max_examples=300, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
