@@ -61,10 +61,10 @@ class PageRequest:
 
 @dataclass(frozen=True, slots=True)
 class RankReply:
-    """One rank's answer. ``ok`` False: the request failed on that rank, and ``held`` names
-    the pages of it that the rank still maps in some backing (a map whose undo failed
-    there, an unmap that failed); every other page of the request is mapped nowhere on
-    that rank (a refused map) or was unmapped (a refused unmap)."""
+    """One rank's answer. ``ok`` False: the request failed on that rank. A refused map
+    mapped none of its pages there but ``held``, those its undo left mapped in some
+    backing; after a refused unmap, ``held`` are still mapped (in some backing) and the
+    other pages are unmapped."""
 
     rank: int
     ok: bool
@@ -146,9 +146,9 @@ class RankPages:
                 return RankReply(self.rank, True, available_bytes=self._available(fresh))
             try:
                 self._apply(request)
-            except _Refused as e:  # a map or an unmap failed in the ranges
+            except _Refused as e:  # a map or an unmap that leaves pages held
                 return self._refused(e.error, e.held)
-            except KvcachedError as e:  # refused before any range was touched
+            except KvcachedError as e:  # a map refused before any range was touched
                 return self._refused(e)
             return RankReply(self.rank, True, available_bytes=self._available(fresh))
 
@@ -157,8 +157,8 @@ class RankPages:
         return RankReply(self.rank, False, refusal, f"{type(error).__name__}: {error}", self._available(True), held)
 
     def _apply(self, request: PageRequest) -> None:
-        """Apply ``request``; a map or unmap that fails in the ranges raises `_Refused`
-        with the pages it left held."""
+        """Apply ``request``; a map that fails in the ranges, or an unmap that fails,
+        raises `_Refused` with the pages it left held."""
         pages = list(request.pages)
         if request.op == "map":
             if clash := sorted(set(pages) & self.mapped):
@@ -176,7 +176,8 @@ class RankPages:
             self._moved(len(pages))
         elif request.op == "unmap":
             if stray := sorted(set(pages) - self.mapped):
-                raise InvariantError(f"rank {self.rank}: kv pages {stray} are not mapped")
+                error = InvariantError(f"rank {self.rank}: kv pages {stray} are not mapped")
+                raise _Refused(error, tuple(sorted(set(pages) & self.mapped)))  # nothing was unmapped
             # Not strict: after a failed unmap the scheduler retries the same pages, some of
             # them perhaps unmapped in every backing already (the rank's books say "mapped").
             try:

@@ -120,7 +120,10 @@ def test_misuse_is_reported_by_the_rank_not_raised_through_the_channel() -> None
     assert rank.handle(PageRequest("map", (1,))).ok
     reply = rank.handle(PageRequest("map", (1,)))
     assert not reply.ok and reply.refusal == "driver" and "already mapped" in reply.message
-    assert rank.mapped == {1}
+    assert rank.mapped == {1} and reply.held == (), "the refused map left nothing behind"
+    reply = rank.handle(PageRequest("unmap", (1, 5)))
+    assert not reply.ok and "[5] are not mapped" in reply.message
+    assert rank.mapped == {1} and reply.held == (1,), "the refused unmap unmapped nothing: page 1 is still held"
     assert rank.handle(PageRequest("unmap", (1,), frozenset({5}))).ok  # not addressed to rank 0
     assert rank.mapped == {1}
     rank.close()
