@@ -62,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG % {"archetypes": ", ".join(C.ARCHETYPES)},
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_selection(p)
+    _add_engine_settings(p)
+    _add_run_settings(p)
+    return p
+
+
+def _add_selection(p: argparse.ArgumentParser) -> None:
+    """Which cases run: the matrix, the device, the filters."""
     p.add_argument("--quick", action="store_true", help="smoke matrix (a few minutes; what CI runs)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the engines compute (auto: cuda when torch sees a CUDA device); cuda runs the "
@@ -77,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--patterns", type=_csv, help="comma-separated prefix patterns: warm3, partial, shared")
     p.add_argument("--layouts", type=_csv, help="comma-separated engine layouts: inproc, mp, tp2")
     p.add_argument("--no-controls", action="store_true", help="skip the baseline and negative controls (not for CI)")
+
+
+def _add_engine_settings(p: argparse.ArgumentParser) -> None:
+    """What the engines under test get: the candidate, page size, KV and budget sizes."""
     p.add_argument(
         "--candidate",
         choices=("kvcached", "native"),
@@ -111,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run each kvcached case with its own fault plan/budget in a process of its own",
     )
+
+
+def _add_run_settings(p: argparse.ArgumentParser) -> None:
+    """Where results go, re-comparison, timeouts."""
     p.add_argument(
         "--reports-dir",
         type=Path,
@@ -124,7 +140,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-kv", action="store_true", help="keep the raw KV snapshots (.npz) after comparing")
     p.add_argument("--case-timeout", type=float, default=150.0, help="seconds allowed per case in a child")
     p.add_argument("--list", action="store_true", help="print the selected cases and exit")
-    return p
 
 
 def select_cases(args: argparse.Namespace) -> list[C.Case]:
