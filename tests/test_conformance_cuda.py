@@ -16,7 +16,7 @@ from conformance.geometry import derive_page_size
 from conformance.models import MODEL_SPECS, model_spec
 from conformance.orchestrate.compare import judge_against_native_floor
 from conformance.orchestrate.parity import Problem, ProblemKind
-from conformance.results import Job
+from tests.test_conformance_knobs import _runner
 from tests.test_conformance_report import _row
 
 MIB = 1 << 20
@@ -239,8 +239,7 @@ def test_the_0_26_qwen3_5_text_config_refusal_is_a_known_native_defect() -> None
 
 
 def _cuda_runner(tmp_path: Path) -> CaseRunner:
-    return CaseRunner(Job(side="reference", engine="native", out_dir=tmp_path, page_size=None, kv_cache_bytes=1 << 30,
-                          async_override=True, budget_bytes_override=None, entries=[], device="cuda"))
+    return _runner(tmp_path, "reference", "native", device="cuda")
 
 
 @pytest.mark.parametrize(("fault", "fp32"), [(C.NO_FAULTS, False), (C.CACHED_CAP, False), (C.TINY_BUDGET, True),

@@ -19,9 +19,10 @@ def _kvcached_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith("KVCACHED_")}
 
 
-def _runner(tmp_path: Path, side: str, engine: str) -> CaseRunner:
+def _runner(tmp_path: Path, side: str, engine: str, device: str = "cpu") -> CaseRunner:
     return CaseRunner(Job(side=side, engine=engine, out_dir=tmp_path, page_size=None,  # type: ignore[arg-type]
-                          kv_cache_bytes=1 << 26, async_override=True, budget_bytes_override=None, entries=[]))
+                          kv_cache_bytes=1 << 26, async_override=True, budget_bytes_override=None, entries=[],
+                          device=device))  # type: ignore[arg-type]
 
 
 def test_a_kvcached_candidates_settings_are_explicit_and_leave_the_environment_alone(tmp_path: Path) -> None:
