@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conformance import cases as C
-from conformance.orchestrate.compare import compare_kv, compare_logprobs, compare_results
+from conformance.orchestrate.compare import NEVER_FIRED_NO_FILE, compare_kv, compare_logprobs, compare_results
 from conformance.orchestrate.parity import ProblemKind
 from conformance.results import CaseResult, FaultRecord, KvSnapshotMeta
 
@@ -204,7 +204,7 @@ def test_fault_plan_must_fire_and_async_must_run() -> None:
     ref, oth = _result([[1, 2, 3, 4]]), _result([[1, 2, 3, 4]])
     row, _ = compare_results(case, ref, oth, None, None, True)
     problems = " | ".join(row.problems)
-    assert "no fired counts" in problems
+    assert NEVER_FIRED_NO_FILE in problems
     assert "asked async, ran Scheduler" in problems
     assert "no copy-on-write copy" in problems
     oth.fault = FaultRecord(fired={"cow_admission": 0}, triggers=[])
@@ -331,7 +331,7 @@ def _copy_fault_pair(layout: C.Layout = C.Layout.INPROC) -> tuple[C.Case, CaseRe
     ({"engine_error": None}, "every pass completed"),
     ({"fault": FaultRecord(fired={"copy": 0}, triggers=[])}, "never fired"),
     ({"fault": FaultRecord(fired={"copy": 2}, triggers=[])}, "planned at most 1x"),
-    ({"fault": None}, "no fired counts"),
+    ({"fault": None}, NEVER_FIRED_NO_FILE),
     ({"teardown": None}, "no teardown facts"),
     ({"teardown.record_live_slots": 1, "teardown.record_charged_bytes": 4096}, "1 live budget slot(s) holding 4096"),
     ({"teardown.record_live_slots": None}, "never written"),
