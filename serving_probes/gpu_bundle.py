@@ -68,7 +68,7 @@ XZ_PRESET = 9
 ENGINE_ENV: tuple[tuple[str, str, str], ...] = (
     ("VLLM_USE_FLASHINFER_SAMPLER", "0",
      "flashinfer is not on the host; without this LLM() fails in vllm/v1/sample/ops/topk_topp_sampler.py"),
-    ("VLLM_USE_V2_MODEL_RUNNER", "0", "Model Runner V1, the runner kvcached integrates with"),
+    ("VLLM_USE_V2_MODEL_RUNNER", "0", "Model Runner V1, the runner kvcached is proven on here (V2: issue 29)"),
 )
 
 
@@ -1051,10 +1051,11 @@ def runner_meaning(value: bool | None) -> str:
         return ("unset: vLLM 0.26.0 picks per model: V2 (vllm/v1/worker/gpu/model_runner.py) for dense, "
                 "non-hybrid generate models when Triton is there and no V2-unsupported feature is on; V1 "
                 "(vllm/v1/worker/gpu_model_runner.py) for MoE, hybrid and attention-free models. kvcached "
-                "integrates with V1: export VLLM_USE_V2_MODEL_RUNNER=0")
+                "serves both on 0.26; V1 is the one proven on a GPU: export VLLM_USE_V2_MODEL_RUNNER=0")
     if value:
-        return "1: Model Runner V2 (vllm/v1/worker/gpu/model_runner.py) for every model; kvcached integrates with V1"
-    return "0: Model Runner V1 (GPUModelRunner, vllm/v1/worker/gpu_model_runner.py), the one kvcached integrates with"
+        return ("1: Model Runner V2 (vllm/v1/worker/gpu/model_runner.py) for every model; kvcached serves it on "
+                "0.26-0.28, its GPU proof pending")
+    return "0: Model Runner V1 (GPUModelRunner, vllm/v1/worker/gpu_model_runner.py), the one kvcached is proven on"
 
 
 def _fmt_vllm(v: dict[str, Any]) -> str:

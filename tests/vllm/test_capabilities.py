@@ -20,11 +20,12 @@ from kvcached.integration.vllm.capabilities import (
 )
 
 _BASE = {"logical_block_copy": True, "raw_mamba_pages": True, "allocate_kv_cache": True,
-         "cpu_warmup_decision": False, "request_memory_external": False}
+         "cpu_warmup_decision": False, "request_memory_external": False, "model_runner_v2": False}
+_V2 = {"allocate_kv_cache": False, "model_runner_v2": True}  # V2 through _allocate_kv_cache (0.26-0.28)
 ROWS: dict[tuple[int, int], dict[str, object]] = {  # from the contract notes and the compat report
-    (0, 26): {**_BASE, "raw_mamba_pages": False, "allocate_kv_cache": False},
-    (0, 27): {**_BASE, "allocate_kv_cache": False},  # 0.27.0 == 0.27.1
-    (0, 28): {**_BASE, "allocate_kv_cache": False},
+    (0, 26): {**_BASE, **_V2, "raw_mamba_pages": False},
+    (0, 27): {**_BASE, **_V2},  # 0.27.0 == 0.27.1
+    (0, 28): {**_BASE, **_V2},
     (0, 29): _BASE,
     (0, 30): {**_BASE, "cpu_warmup_decision": True},
     (0, 31): {**_BASE, "cpu_warmup_decision": True},

@@ -1,17 +1,19 @@
-"""Model Runner V2 is never silent: kvcached refuses it at start-up, naming the switch.
+"""Model Runner V2 is never silent: served where kvcached serves it, else refused by name.
 
-kvcached backs the KV tensors of Model Runner V1 only. vLLM decides between the runners in one
-place, ``VllmConfig.use_v2_model_runner``, which it reads while it validates the engine's config,
-before any worker, runner or KV tensor exists; kvcached's seam wraps that decision. On CPU vLLM
-decides V1 by default (no Triton), so the tests reach V2 two ways, each in its own fresh
-interpreter with a real ``LLM``:
+vLLM decides between the runners in one place, ``VllmConfig.use_v2_model_runner``, which it reads
+while it validates the engine's config, before any worker, runner or KV tensor exists. Where
+kvcached serves V2 (0.26-0.28, ``Capabilities.model_runner_v2``) the decision is vLLM's alone;
+elsewhere kvcached's seam wraps it and refuses V2, naming the switch. On CPU vLLM decides V1 by
+default (no Triton), so the tests reach V2 two ways, each in its own fresh interpreter with a
+real ``LLM``:
 
 * ``env``: vLLM's own switch, ``VLLM_USE_V2_MODEL_RUNNER=1`` (real: the decision is vLLM's);
 * ``fake``: the decision itself faked to say V2 (what vLLM's default does on CUDA for dense
   models), by replacing the property before the plugin installs, the one named seam.
 
 Controls: with kvcached disabled the same engines are vLLM's alone (its own failure, never
-kvcached's refusal); with kvcached enabled and V1 decided, the engine starts on kvcached.
+kvcached's refusal); with kvcached enabled and V1 decided, the engine starts on kvcached. (V2's
+own seams are tested without an engine: ``test_worker_alloc``, ``test_runner_v2_warmup``.)
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import pytest
 pytest.importorskip("kvcached._vmm", reason="native extension not built")
 
 from conformance.engine_env import ENGINE_ENV, without_kvcached
+from kvcached.integration.vllm.capabilities import detect
 
 TIMEOUT_S = 300
 
@@ -64,6 +67,10 @@ def _run(scenario: str, tmp_path: Path) -> dict[str, object]:
     return result
 
 
+SERVES_V2 = detect().model_runner_v2
+
+
+@pytest.mark.skipif(SERVES_V2, reason="kvcached serves Model Runner V2 on this vLLM series")
 @pytest.mark.parametrize("scenario", ["env", "fake"])
 def test_v2_is_refused_at_start_up_by_name(scenario: str, tmp_path: Path) -> None:
     got = _run(scenario, tmp_path)
@@ -71,6 +78,15 @@ def test_v2_is_refused_at_start_up_by_name(scenario: str, tmp_path: Path) -> Non
     assert str(got["error"]).startswith("IntegrationError: vLLM selected Model Runner V2")
     assert "VLLM_USE_V2_MODEL_RUNNER=0" in str(got["error"])
     assert got["spaces"] == 0, "a KV space was built before the refusal"
+
+
+@pytest.mark.skipif(not SERVES_V2, reason="kvcached refuses Model Runner V2 on this vLLM series")
+@pytest.mark.parametrize("scenario", ["env", "fake"])
+def test_where_kvcached_serves_v2_the_decision_is_vllms(scenario: str, tmp_path: Path) -> None:
+    """0.26-0.28: kvcached takes no part in the decision; on CPU vLLM then refuses V2 itself
+    (no Triton), exactly as with kvcached off."""
+    got = _run(scenario, tmp_path)
+    assert got == _run(f"{scenario}-off", tmp_path)
 
 
 @pytest.mark.parametrize("scenario", ["env-off", "fake-off"])

@@ -1,9 +1,11 @@
 """Worker seams over real virtual ranges: vLLM 0.28's own reshape code, kvcached's allocation.
 
-A `GPUModelRunner` is made without ``__init__`` and given just the attributes
-``_allocate_kv_cache_tensors`` / ``_reshape_kv_cache_tensors`` read; the attention
-backends are vLLM's real CPU (blocks-first) and ROCm (K/V-first) classes, the specs vLLM's
-real spec classes. No engine is started. Skipped on vLLM series that allocate KV tensors
+Model Runner V1: a `GPUModelRunner` is made without ``__init__`` and given just the attributes
+``_allocate_kv_cache_tensors`` / ``_reshape_kv_cache_tensors`` read. Model Runner V2: its own
+module functions, ``gpu.attn_utils._allocate_kv_cache`` and ``_reshape_kv_cache`` (what its
+``init_kv_cache`` calls), and its own copy name. The layout tests run on both runners. The
+attention backends are vLLM's real CPU (blocks-first) and ROCm (K/V-first) classes, the specs
+vLLM's real spec classes. No engine is started. Skipped on vLLM series that allocate KV tensors
 through ``allocate_kv_cache`` (0.29+), where these runner methods are gone: their seam is
 tested in ``test_v029_worker_alloc``.
 """
@@ -75,9 +77,60 @@ def make_runner(config: KVCacheConfig, groups: list[tuple[Any, type, list[str]]]
     return runner
 
 
-def build(config: KVCacheConfig, groups: list[tuple[Any, type, list[str]]]) -> tuple[dict[str, Any], space.KvSpace]:
-    runner = make_runner(config, groups)
-    raw = GPUModelRunner._allocate_kv_cache_tensors(runner, config)
+Groups = list[tuple[Any, type, list[str]]]
+
+
+class V1:
+    """Model Runner V1's allocation, reshape and copy names (the seams replace them)."""
+
+    @staticmethod
+    def allocate(config: KVCacheConfig, groups: Groups) -> dict[str, torch.Tensor]:
+        return GPUModelRunner._allocate_kv_cache_tensors(make_runner(config, groups), config)
+
+    @staticmethod
+    def reshape(config: KVCacheConfig, groups: Groups, raw: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return GPUModelRunner._reshape_kv_cache_tensors(make_runner(config, groups), raw,
+                                                        [g[0].block_size for g in groups])
+
+    @staticmethod
+    def copy(kv_caches: list[Any], num_blocks: int, copies: list[KVCacheBlockCopy]) -> None:
+        gpu_model_runner.copy_kv_cache_blocks_inplace(kv_caches, num_blocks, copies)
+
+
+class V2:
+    """Model Runner V2's module functions (0.26-0.28), as its ``init_kv_cache`` calls them."""
+
+    @staticmethod
+    def allocate(config: KVCacheConfig, groups: Groups) -> dict[str, torch.Tensor]:
+        from vllm.v1.worker.gpu import attn_utils
+
+        return attn_utils._allocate_kv_cache(config, {}, torch.device("cpu"))
+
+    @staticmethod
+    def reshape(config: KVCacheConfig, groups: Groups, raw: dict[str, torch.Tensor]) -> dict[str, Any]:
+        from vllm.v1.worker.gpu import attn_utils
+
+        flat = [g for gs in make_runner(config, groups).attn_groups for g in gs]
+        return attn_utils._reshape_kv_cache(flat, raw, "auto", [g[0].block_size for g in groups], {}, config)
+
+    @staticmethod
+    def copy(kv_caches: list[Any], num_blocks: int, copies: list[KVCacheBlockCopy]) -> None:
+        from vllm.v1.worker.gpu import model_runner
+
+        model_runner.copy_kv_cache_blocks_inplace(kv_caches, num_blocks, copies)
+
+
+RUNNERS = [V1, *([V2] if detect().model_runner_v2 else [])]
+
+
+@pytest.fixture(params=RUNNERS, ids=lambda r: r.__name__)
+def runner(request: pytest.FixtureRequest) -> type:
+    """The model runner whose names a layout test goes through."""
+    return request.param  # type: ignore[no-any-return]
+
+
+def build(config: KVCacheConfig, groups: Groups, runner: Any = V1) -> tuple[dict[str, Any], space.KvSpace]:
+    raw = runner.allocate(config, groups)
     published = registered_space(next(iter(raw.values())))
     # exactly KVCacheTensor.size bytes per tensor, over a range where only the null block's
     # kv page is mapped (warm-up may read block 0 before the scheduler's pool exists)
@@ -89,7 +142,7 @@ def build(config: KVCacheConfig, groups: list[tuple[Any, type, list[str]]]) -> t
     assert published.config is not None and published.config.page_size == published.geometry.page_size
     vmm = published.geometry.vmm_pages
     assert [r.mapped_pages() for r in published.ranges] == [list(range(k)) for k in vmm]
-    kv = GPUModelRunner._reshape_kv_cache_tensors(runner, raw, [g[0].block_size for g in groups])
+    kv = runner.reshape(config, groups, raw)
     return kv, published
 
 
@@ -100,7 +153,8 @@ def map_blocks(published: space.KvSpace, blocks: set[int]) -> None:
         published.page_space().map_pages([p])
 
 
-def check_copy(kv: dict[str, Any], published: space.KvSpace, copies: list[tuple[int, int]], runs: int) -> None:
+def check_copy(kv: dict[str, Any], published: space.KvSpace, copies: list[tuple[int, int]], runs: int,
+               runner: Any = V1) -> None:
     """Copy through the patched helper; compare typed views of the touched blocks."""
     touched = {b for pair in copies for b in pair}
     map_blocks(published, touched)
@@ -118,7 +172,7 @@ def check_copy(kv: dict[str, Any], published: space.KvSpace, copies: list[tuple[
         blocks_of.append(blocks)
     before = [b[order].clone() for b in blocks_of]
     reset_copy_stats()
-    gpu_model_runner.copy_kv_cache_blocks_inplace(list(kv.values()), N, [KVCacheBlockCopy(s, d) for s, d in copies])
+    runner.copy(list(kv.values()), N, [KVCacheBlockCopy(s, d) for s, d in copies])
     assert copy_stats().runs_copied == runs
     pos = {b: i for i, b in enumerate(order)}
     dsts = {d: s for s, d in copies}
@@ -128,22 +182,22 @@ def check_copy(kv: dict[str, Any], published: space.KvSpace, copies: list[tuple[
             assert torch.equal(blocks[b], want)
 
 
-def test_full_attention_layers() -> None:
+def test_full_attention_layers(runner: type) -> None:
     config = KVCacheConfig(
         num_blocks=N,
         kv_cache_tensors=[KVCacheTensor(size=N * ATTN_PAGE, shared_by=[f"l{i}"]) for i in range(2)],
         kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], ATTN)],
     )
-    kv, published = build(config, [(ATTN, CPUAttentionBackend, ["l0", "l1"])])
+    kv, published = build(config, [(ATTN, CPUAttentionBackend, ["l0", "l1"])], runner)
     assert published.geometry.blocks_per_page == 4 and len(published.ranges) == 2
     v = kv["l0"]
     assert tuple(v.shape) == (N, 2, BS, 16) and v.stride() == (512, 256, 16, 1)  # CPU: (B, H, N, 2D)
     meta = get_meta(v)
     assert meta is not None and meta.segments == ((0, ATTN_PAGE),) and meta.block_stride == ATTN_PAGE
-    check_copy(kv, published, [(1, 9), (9, 1), (2, 3)], runs=2)
+    check_copy(kv, published, [(1, 9), (9, 1), (2, 3)], runs=2, runner=runner)
 
 
-def test_hybrid_split_kv_restrided_with_mamba() -> None:
+def test_hybrid_split_kv_restrided_with_mamba(runner: type) -> None:
     mamba = MambaSpec(block_size=BS, page_size_padded=ATTN_PAGE, **STATES)  # type: ignore[arg-type]
     config = KVCacheConfig(
         num_blocks=N,
@@ -151,7 +205,7 @@ def test_hybrid_split_kv_restrided_with_mamba() -> None:
         kv_cache_groups=[KVCacheGroupSpec(["a0", "a1"], ATTN), KVCacheGroupSpec(["m0", "m1"], mamba)],
     )
     kv, published = build(
-        config, [(ATTN, RocmAttentionBackend, ["a0", "a1"]), (mamba, RocmAttentionBackend, ["m0", "m1"])]
+        config, [(ATTN, RocmAttentionBackend, ["a0", "a1"]), (mamba, RocmAttentionBackend, ["m0", "m1"])], runner
     )
     a, m = kv["a0"], kv["m0"]
     hidden = BS * 2 * 8
@@ -161,10 +215,10 @@ def test_hybrid_split_kv_restrided_with_mamba() -> None:
         meta = get_meta(t)
         assert meta is not None and meta.segments == ((0, ATTN_PAGE),) and meta.block_stride == ATTN_PAGE
     # each KVCacheTensor (attention + Mamba layer) is copied once
-    check_copy(kv, published, [(5, 10), (10, 0)], runs=2)
+    check_copy(kv, published, [(5, 10), (10, 0)], runs=2, runner=runner)
 
 
-def test_packed_layers_share_one_backing() -> None:
+def test_packed_layers_share_one_backing(runner: type) -> None:
     stride = 2 * ATTN_PAGE
     config = KVCacheConfig(
         num_blocks=N,
@@ -174,16 +228,16 @@ def test_packed_layers_share_one_backing() -> None:
         ],
         kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], ATTN)],
     )
-    kv, published = build(config, [(ATTN, CPUAttentionBackend, ["l0", "l1"])])
+    kv, published = build(config, [(ATTN, CPUAttentionBackend, ["l0", "l1"])], runner)
     assert len(published.ranges) == 1
     assert kv["l0"].untyped_storage().data_ptr() == kv["l1"].untyped_storage().data_ptr()
     m0, m1 = get_meta(kv["l0"]), get_meta(kv["l1"])
     assert m0 is not None and m1 is not None
     assert (m0.layer_offset, m1.layer_offset, m1.block_stride) == (0, ATTN_PAGE, stride)
-    check_copy(kv, published, [(0, 11), (7, 4)], runs=1)  # interleaved layers merge into one run
+    check_copy(kv, published, [(0, 11), (7, 4)], runs=1, runner=runner)  # interleaved layers merge into one run
 
 
-def test_packed_mamba_slice_is_rejected() -> None:
+def test_packed_mamba_slice_is_rejected(runner: type) -> None:
     """vLLM 0.28 slices a packed Mamba page as if unpacked; kvcached refuses that view."""
     mamba = MambaSpec(block_size=BS, **STATES)  # type: ignore[arg-type]  # 72-byte page
     stride = ATTN_PAGE
@@ -193,17 +247,17 @@ def test_packed_mamba_slice_is_rejected() -> None:
         kv_cache_groups=[KVCacheGroupSpec(["a0"], ATTN), KVCacheGroupSpec(["m0"], mamba)],
     )
     with pytest.raises(IntegrationError, match="layer m0"):
-        build(config, [(ATTN, CPUAttentionBackend, ["a0"]), (mamba, CPUAttentionBackend, ["m0"])])
+        build(config, [(ATTN, CPUAttentionBackend, ["a0"]), (mamba, CPUAttentionBackend, ["m0"])], runner)
 
 
-def test_split_kv_without_restride_is_rejected() -> None:
+def test_split_kv_without_restride_is_rejected(runner: type) -> None:
     config = KVCacheConfig(
         num_blocks=N,
         kv_cache_tensors=[KVCacheTensor(size=N * ATTN_PAGE, shared_by=["l0"])],
         kv_cache_groups=[KVCacheGroupSpec(["l0"], ATTN)],
     )
     with pytest.raises(IntegrationError, match="K/V-first"):
-        build(config, [(ATTN, RocmAttentionBackend, ["l0"])])
+        build(config, [(ATTN, RocmAttentionBackend, ["l0"])], runner)
 
 
 def test_profiling_kv_cache_is_plain_memory() -> None:

@@ -22,6 +22,15 @@ RUNNER_SEAMS = ("_init_minimal_kv_cache_for_profiling",) + (
     () if CAPS.allocate_kv_cache else ("_allocate_kv_cache_tensors", "_reshape_kv_cache_tensors")
 )
 MODULE_SEAMS = ("allocate_kv_cache",) if CAPS.allocate_kv_cache else ()
+# Model Runner V2's names (0.26-0.28): (module, attribute)
+V2_SEAMS: tuple[tuple[object, str], ...] = ()
+if CAPS.model_runner_v2:
+    from vllm.v1.worker import gpu_worker
+    from vllm.v1.worker.gpu import attn_utils
+    from vllm.v1.worker.gpu import model_runner as model_runner_v2
+
+    V2_SEAMS = ((attn_utils, "_allocate_kv_cache"), (attn_utils, "_reshape_kv_cache"),
+                (model_runner_v2, "copy_kv_cache_blocks_inplace"), (gpu_worker, "warmup_kernels"))
 # a supported series whose worker seams this vLLM does not have
 OTHER = capabilities_for("0.28.0" if CAPS.allocate_kv_cache else "0.29.0")
 
@@ -31,6 +40,7 @@ def _originals() -> tuple[object, ...]:
         *(vars(GPUModelRunner)[n] for n in RUNNER_SEAMS),
         *(vars(gpu_model_runner)[n] for n in MODULE_SEAMS),
         gpu_model_runner.copy_kv_cache_blocks_inplace,
+        *(vars(module)[n] for module, n in V2_SEAMS),
     )
 
 
@@ -119,6 +129,9 @@ def test_disabled_delegates_to_original(clean: None, monkeypatch: pytest.MonkeyP
     # the seam binds whatever vLLM's helper is at install time
     monkeypatch.setattr(utils, "copy_kv_cache_blocks_inplace", spy)
     monkeypatch.setattr(gpu_model_runner, "copy_kv_cache_blocks_inplace", spy)
+    for module, name in V2_SEAMS:
+        if name == "copy_kv_cache_blocks_inplace":
+            monkeypatch.setattr(module, name, spy)
     _install(monkeypatch, enabled=False)
     assert not worker.is_enabled()
     patched = gpu_model_runner.copy_kv_cache_blocks_inplace

@@ -28,6 +28,11 @@ with ``_reshape_kv_cache_tensors`` (`view_meta`) after it
     with the same block-row check as the reshape seam. A layer slot that is not a whole
     number of kv pages therefore costs nothing: each region starts its own range.
 
+``vllm.v1.worker.gpu.attn_utils._allocate_kv_cache`` (Model Runner V2, 0.26-0.28)
+    V2's module function with the same contract as the runner method above (`allocate_raw_tensors`
+    serves both); layers that share another layer's KV (``shared_layers``) get no tensor, as in
+    vLLM. V2 builds no minimal profiling cache (its ``profile_cudagraph_memory`` is 0).
+
 ``GPUModelRunner._init_minimal_kv_cache_for_profiling`` (every series)
     Marks the minimal KV cache vLLM builds to profile CUDA-graph memory. Dummy runs write
     into it before any pool exists, so it must be ordinary memory: while the mark is set
@@ -55,7 +60,7 @@ from kvcached.integration.vllm import install_state
 from kvcached.integration.vllm.backings import device_string, open_backings, register
 from kvcached.integration.vllm.capabilities import Capabilities
 from kvcached.integration.vllm.patching import Seam, require_own, require_vllm_helper
-from kvcached.integration.vllm.view_meta import check_block_row, describe_layer_view, wrap_reshape
+from kvcached.integration.vllm.view_meta import check_block_row, describe_layer_view, wrap_reshape, wrap_reshape_v2
 from kvcached.integration.vllm.view_regions import plan_regions, rebase
 from kvcached.views import BytePageMeta, attach_meta
 
@@ -112,22 +117,18 @@ def _plan_backings(kv_cache_config: Any) -> list[_BackingPlan]:
     return plans
 
 
-def _expected_layers(runner: Any, kv_cache_config: Any) -> set[str]:
-    skip = set(getattr(runner, "runner_only_attn_layers", ()))
-    return {n for g in kv_cache_config.kv_cache_groups for n in g.layer_names if n not in skip}
+def _group_layers(kv_cache_config: Any) -> set[str]:
+    return {n for g in kv_cache_config.kv_cache_groups for n in g.layer_names}
 
 
-def allocate_kv_cache_tensors(runner: Any, kv_cache_config: Any) -> dict[str, torch.Tensor]:
-    """kvcached's ``_allocate_kv_cache_tensors``: int8 tensors over virtual ranges.
-
-    Only the null block's kv page is mapped on return (see the module docstring).
-    """
+def allocate_raw_tensors(kv_cache_config: Any, device: Any, expected: set[str]) -> dict[str, torch.Tensor]:
+    """int8 tensors of exactly ``KVCacheTensor.size`` bytes over virtual ranges, one per layer
+    of ``expected`` (every layer the KV tensors must cover): vLLM's ``torch.zeros`` per
+    ``KVCacheTensor``, kvcached's way. Only the null block's kv page is mapped on return."""
     plans = _plan_backings(kv_cache_config)
-    device = device_string(torch.device(runner.device))
     backings = open_backings([p.stride for p in plans], [p.size for p in plans],
-                             int(kv_cache_config.num_blocks), device)
+                             int(kv_cache_config.num_blocks), device_string(torch.device(device)))
     tensors = {name: rows for plan, rows in zip(plans, backings.rows, strict=True) for name in plan.layers}
-    expected = _expected_layers(runner, kv_cache_config)
     if expected != set(tensors):
         backings.close()
         raise IntegrationError(
@@ -138,6 +139,12 @@ def allocate_kv_cache_tensors(runner: Any, kv_cache_config: Any) -> dict[str, to
     return tensors
 
 
+def allocate_kv_cache_tensors(runner: Any, kv_cache_config: Any) -> dict[str, torch.Tensor]:
+    """kvcached's V1 ``_allocate_kv_cache_tensors``: every group's layer but the runner-only ones."""
+    expected = _group_layers(kv_cache_config) - set(getattr(runner, "runner_only_attn_layers", ()))
+    return allocate_raw_tensors(kv_cache_config, runner.device, expected)
+
+
 def _wrap_allocate(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _allocate_kv_cache_tensors(self: Any, kv_cache_config: Any) -> dict[str, torch.Tensor]:
@@ -146,6 +153,19 @@ def _wrap_allocate(original: Callable[..., Any]) -> Callable[..., Any]:
         return allocate_kv_cache_tensors(self, kv_cache_config)
 
     return _allocate_kv_cache_tensors
+
+
+def _wrap_allocate_v2(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Model Runner V2's ``_allocate_kv_cache``: layers that share another's KV (``shared_layers``)
+    get no tensor of their own, as in vLLM."""
+
+    @functools.wraps(original)
+    def _allocate_kv_cache(kv_cache_config: Any, shared_layers: dict[str, str], device: Any) -> dict[str, torch.Tensor]:
+        if _delegates():
+            return original(kv_cache_config, shared_layers, device)
+        return allocate_raw_tensors(kv_cache_config, device, _group_layers(kv_cache_config) - set(shared_layers))
+
+    return _allocate_kv_cache
 
 
 def _wrap_profiling(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -225,7 +245,8 @@ def _wrap_allocate_views(original: Callable[..., Any]) -> Callable[..., Any]:
 
 # ---- the seams ------------------------------------------------------------------------------
 def seams(caps: Capabilities) -> list[Seam]:
-    """The allocation seams of this vLLM generation, then the profiling mark; vLLM's shape checked."""
+    """The allocation seams of this vLLM generation, then the profiling mark, then Model Runner
+    V2's where kvcached serves it (``Capabilities.model_runner_v2``); vLLM's shape checked."""
     from vllm.v1.worker import gpu_model_runner, utils
 
     runner = gpu_model_runner.GPUModelRunner
@@ -238,11 +259,18 @@ def seams(caps: Capabilities) -> list[Seam]:
             (runner, "_allocate_kv_cache_tensors", _wrap_allocate(require_own(runner, "_allocate_kv_cache_tensors"))),
             (runner, "_reshape_kv_cache_tensors", wrap_reshape(require_own(runner, "_reshape_kv_cache_tensors"))),
         ]
+    profiling = require_own(runner, "_init_minimal_kv_cache_for_profiling")
+    return [*allocation, (runner, "_init_minimal_kv_cache_for_profiling", _wrap_profiling(profiling)),
+            *(_v2_seams() if caps.model_runner_v2 else [])]
+
+
+def _v2_seams() -> list[Seam]:
+    """Model Runner V2 (0.26-0.28): its module functions that allocate and reshape KV tensors.
+    (V2 measures no CUDA-graph memory with a minimal KV cache: ``profile_cudagraph_memory``
+    returns 0, so there is no profiling mark to set.)"""
+    from vllm.v1.worker.gpu import attn_utils
+
     return [
-        *allocation,
-        (
-            runner,
-            "_init_minimal_kv_cache_for_profiling",
-            _wrap_profiling(require_own(runner, "_init_minimal_kv_cache_for_profiling")),
-        ),
+        (attn_utils, "_allocate_kv_cache", _wrap_allocate_v2(require_own(attn_utils, "_allocate_kv_cache"))),
+        (attn_utils, "_reshape_kv_cache", wrap_reshape_v2(require_own(attn_utils, "_reshape_kv_cache"))),
     ]

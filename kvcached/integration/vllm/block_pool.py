@@ -479,8 +479,8 @@ class ElasticBlockPool(BlockPool):
     def unpin_blocks(self, *args: Any, **kwargs: Any) -> None:
         """Refused (vLLM 0.30+): it queues possibly unhashed blocks at the tail of the free
         queue and registers reuse watchers, outside the states this pool keeps. Its only
-        caller is HiSparse, which vLLM runs on Model Runner V2, which kvcached refuses at
-        start-up; should a V1 path call it, the engine stops here, naming it."""
+        caller is HiSparse (0.30+), which vLLM runs on Model Runner V2, which kvcached refuses
+        at start-up from 0.29; should any other path call it, the engine stops here, naming it."""
         raise IntegrationError("BlockPool.unpin_blocks (vLLM's HiSparse) is not served by kvcached's elastic pool")
 
     def reset_prefix_cache(self) -> bool:

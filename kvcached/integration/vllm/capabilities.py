@@ -26,12 +26,21 @@ cpu_warmup_decision       0.30+        ``CPUWorker._should_warm_up_model()`` dec
 request_memory_external   0.32+        ``request_memory(init_snapshot, cache_config,
                                        external_weight_memory)``: the share excludes
                                        weights held outside the process
+model_runner_v2           0.26-0.28    kvcached serves Model Runner V2: its KV comes from
+                                       ``gpu.attn_utils._allocate_kv_cache`` and
+                                       ``_reshape_kv_cache``, its copies from
+                                       ``gpu.model_runner.copy_kv_cache_blocks_inplace``
+                                       and its warm-up from ``gpu_worker.warmup_kernels``
+                                       (`runner_v2`). From 0.29 V2 allocates through
+                                       ``allocate_kv_cache`` and remaps kernel blocks
+                                       (0.32); not drafted yet, so V2 is refused by name
 ========================  ===========  ==================================================
 
 Also from 0.30: ``BlockPool`` gains ``unpin_blocks``, reuse watchers and frees routed to
 another pool. Their only caller is HiSparse, which vLLM runs on Model Runner V2 only, and
-kvcached refuses V2 (`kvcached.integration.vllm.runner_v2`, the ``use_v2_model_runner``
-seam); `ElasticBlockPool.unpin_blocks` refuses by name should a V1 path ever call it.
+kvcached refuses V2 from 0.29 (`kvcached.integration.vllm.runner_v2`, the
+``use_v2_model_runner`` seam); `ElasticBlockPool.unpin_blocks` refuses by name should any
+other path ever call it.
 
 A release enters this table once ``nox -s compat -- <version>`` has added its row to
 ``reports/compat/``; any other release is refused at start-up with that hint. A release
@@ -92,15 +101,21 @@ class Capabilities:
     allocate_kv_cache: bool
     cpu_warmup_decision: bool
     request_memory_external: bool
+    model_runner_v2: bool
 
 
-# field -> first series that has it (all rows hold through the end of SUPPORTED).
+# field -> first series that has it; it holds through the end of SUPPORTED unless `_LAST` ends it.
 _FIRST: dict[str, Series] = {
     "logical_block_copy": (0, 26),
     "raw_mamba_pages": (0, 27),
     "allocate_kv_cache": (0, 29),
     "cpu_warmup_decision": (0, 30),
     "request_memory_external": (0, 32),
+    "model_runner_v2": (0, 26),
+}
+# field -> last series that has it (rows that end).
+_LAST: dict[str, Series] = {
+    "model_runner_v2": (0, 28),
 }
 
 
@@ -161,7 +176,7 @@ def capabilities_for(version: str, trial: bool = False) -> Capabilities:
                 f"; its entry is drafted, so {TRIAL_ENV}=1 accepts it on trial, as that session does"
                 if hi < series <= TRIAL else "")
         )
-    flags = {name: first <= series for name, first in _FIRST.items()}
+    flags = {name: first <= series <= _LAST.get(name, series) for name, first in _FIRST.items()}
     return Capabilities(version=version, series=series, **flags)
 
 

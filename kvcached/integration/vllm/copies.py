@@ -1,7 +1,8 @@
 """The block-copy seam: vLLM's logical block copies, through kvcached's validated copy.
 
-``vllm.v1.worker.gpu_model_runner.copy_kv_cache_blocks_inplace`` (every series)
-    The name the V1 runner imported (patching ``vllm.v1.worker.utils`` would have no
+``vllm.v1.worker.gpu_model_runner.copy_kv_cache_blocks_inplace`` (every series), and
+``vllm.v1.worker.gpu.model_runner.copy_kv_cache_blocks_inplace`` (Model Runner V2, 0.26-0.28)
+    The names the runners imported (patching ``vllm.v1.worker.utils`` would have no
     effect); `seams` refuses a vLLM where it is no longer that helper. When kvcached is
     disabled it calls the original; otherwise `kvcached.copy.copy_blocks`, which validates
     first and copies each backing's byte runs once, reading the views' byte-page metadata
@@ -53,10 +54,16 @@ def _copy_faults(kv_caches: Any) -> FaultInjector | None:
 
 
 def seams(caps: Capabilities) -> list[Seam]:
-    """The copy seam, after checking that this vLLM copies logical blocks through vLLM's helper."""
+    """The copy seam (and Model Runner V2's, where kvcached serves it), after checking that this
+    vLLM copies logical blocks through vLLM's helper."""
     if not caps.logical_block_copy:
         raise IntegrationError(f"vLLM {caps.version} has no logical block copy helper")
     from vllm.v1.worker import gpu_model_runner, utils
 
-    original = require_vllm_helper(gpu_model_runner, "copy_kv_cache_blocks_inplace", utils)
-    return [(gpu_model_runner, "copy_kv_cache_blocks_inplace", _wrap_copy(original))]
+    runners = [gpu_model_runner]
+    if caps.model_runner_v2:
+        from vllm.v1.worker.gpu import model_runner as model_runner_v2
+
+        runners.append(model_runner_v2)
+    name = "copy_kv_cache_blocks_inplace"
+    return [(module, name, _wrap_copy(require_vllm_helper(module, name, utils))) for module in runners]

@@ -1,42 +1,61 @@
-"""The Model Runner V2 refusal: kvcached serves Model Runner V1 only.
+"""Model Runner V2: the runner decision, and V2's warm-up over kvcached's ranges.
 
-``VllmConfig.use_v2_model_runner`` (Model Runner V2)
+V2 (``vllm/v1/worker/gpu/``) is what vLLM picks by default on CUDA for dense models. Where
+kvcached serves it (``Capabilities.model_runner_v2``, 0.26-0.28), its KV tensors, views and
+block copies go through the same seams as V1's (`allocation`, `view_meta`, `copies`), and this
+module adds what only V2 does. Elsewhere (0.29+), V2 is refused by name.
+
+``VllmConfig.use_v2_model_runner`` (every series)
     vLLM's one decision between the runners, a property read while the engine's config is
-    validated. While kvcached acts, a decision for V2 raises `IntegrationError` naming
-    ``VLLM_USE_V2_MODEL_RUNNER=0`` (`V2_REFUSAL`): V2 allocates and copies KV through its own
-    names, which the V1 seams (`allocation`, `copies`) do not reach (``docs/model-runner-v2.md``).
+    validated. On a series where kvcached does not serve V2, a decision for V2 raises
+    `IntegrationError` naming ``VLLM_USE_V2_MODEL_RUNNER=0`` (`V2_REFUSAL`) while kvcached
+    acts: V2 there allocates through names the seams do not reach
+    (``docs/model-runner-v2.md``). Elsewhere it answers exactly as vLLM's.
+
+``vllm.v1.worker.gpu_worker.warmup_kernels`` (0.26-0.28; V2 only)
+    V2 compiles its kernels with two real steps of dummy requests whose blocks vLLM numbers
+    1, 2, ... itself, with no block pool (``gpu/warmup.py``). Over kvcached's ranges only the
+    null block's page is mapped then, so a kernel writing those blocks would fault. The seam
+    gives vLLM's function a step that first maps the kv pages of every block its scheduler
+    output names (`WarmupPages`), through the rank's own page protocol (`RankPages.handle`,
+    charged to its budget slot like any map), and unmaps them when warm-up returns or raises.
 
 Invariants: the refusal comes at start-up, before any worker, runner or KV tensor exists, so
-nothing is built; disabled, or deciding V1, the property answers exactly as vLLM's, and its
-setter, deleter and doc are vLLM's.
+nothing is built; after warm-up the rank maps what it mapped before (the pool adopts exactly
+that), unless an unmap failed, which its books and the log name; disabled, every seam here is
+vLLM's own.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from kvcached.errors import IntegrationError
+from kvcached.errors import DriverError, IntegrationError, PhysicalMemoryExhausted
 from kvcached.integration.vllm import install_state
-from kvcached.integration.vllm.patching import Seam, own
+from kvcached.integration.vllm.capabilities import Capabilities
+from kvcached.integration.vllm.patching import Seam, own, require_vllm_helper
+from kvcached.integration.vllm.rank_kv import RankKv, rank_kv_of
+from kvcached.ranks import PageRequest
 
-__all__ = ["V2_REFUSAL", "seams"]
+__all__ = ["V2_REFUSAL", "WarmupPages", "scheduled_block_ids", "seams"]
+
+_logger = logging.getLogger(__name__)
 
 V2_REFUSAL = (
-    "vLLM selected Model Runner V2 for this engine, and kvcached serves Model Runner V1 only (V2 "
-    "allocates and copies KV through other functions: docs/model-runner-v2.md). Set "
-    "VLLM_USE_V2_MODEL_RUNNER=0 to run V1 with kvcached (features that exist only in V2, such as "
-    "watermark_config or HiSparse, keep V2 selected), or KVCACHED_ENABLE=0 to run V2 without kvcached"
+    "vLLM selected Model Runner V2 for this engine, and kvcached serves Model Runner V2 on vLLM "
+    "0.26-0.28 only (from 0.29 V2 allocates KV through functions kvcached does not patch yet: "
+    "docs/model-runner-v2.md). Set VLLM_USE_V2_MODEL_RUNNER=0 to run V1 with kvcached (features "
+    "that exist only in V2, such as watermark_config or HiSparse, keep V2 selected), or "
+    "KVCACHED_ENABLE=0 to run V2 without kvcached"
 )
 
 
+# ---- the decision ---------------------------------------------------------------------------
 def _wrap_v2_decision(original: property) -> property:
-    """``VllmConfig.use_v2_model_runner`` that refuses V2 while kvcached acts.
-
-    vLLM reads this decision when it validates the engine's config, before any worker, runner
-    or KV tensor exists, so the refusal comes at start-up with nothing built. Disabled (or
-    deciding V1), it returns vLLM's own answer.
-    """
+    """``VllmConfig.use_v2_model_runner`` that refuses V2 while kvcached acts (see the module)."""
     decide = original.fget
     assert decide is not None
 
@@ -50,12 +69,108 @@ def _wrap_v2_decision(original: property) -> property:
     return property(use_v2_model_runner, original.fset, original.fdel, original.__doc__)
 
 
-def seams() -> list[Seam]:
-    """The refusal seam, after checking that vLLM's decision is still the property it wraps."""
+def _refusal_seam() -> Seam:
     from vllm.config import VllmConfig
 
     decision = own(VllmConfig, "use_v2_model_runner")
     if not isinstance(decision, property) or decision.fget is None:
         raise IntegrationError("vllm.config.VllmConfig.use_v2_model_runner is not the property kvcached "
                                "expects (vLLM's Model Runner V1/V2 decision)")
-    return [(VllmConfig, "use_v2_model_runner", _wrap_v2_decision(decision))]
+    return (VllmConfig, "use_v2_model_runner", _wrap_v2_decision(decision))
+
+
+# ---- the warm-up ----------------------------------------------------------------------------
+def scheduled_block_ids(scheduler_output: Any) -> set[int]:
+    """Every block a scheduler output hands the runner: new requests' blocks, running
+    requests' new blocks, and the blocks it asks to zero."""
+    blocks: set[int] = set()
+    for request in scheduler_output.scheduled_new_reqs:
+        for group in request.block_ids:
+            blocks.update(group)
+    for new in scheduler_output.scheduled_cached_reqs.new_block_ids:
+        for group in new or ():
+            blocks.update(group)
+    blocks.update(getattr(scheduler_output, "new_block_ids_to_zero", None) or ())
+    return blocks
+
+
+class WarmupPages:
+    """The kv pages one rank maps for a warm-up beyond what it held, unmapped by `release`.
+
+    Invariant: ``lent`` are exactly the pages `cover` mapped and `release` has not unmapped.
+    """
+
+    def __init__(self, kv: RankKv) -> None:
+        self.kv = kv
+        self.lent: list[int] = []
+
+    def cover(self, block_ids: Iterable[int]) -> None:
+        """Map the kv pages of ``block_ids`` the rank does not map yet; a refusal raises
+        `PhysicalMemoryExhausted` or `DriverError` naming the warm-up (nothing of it mapped)."""
+        pages = self.kv.pages
+        wanted = sorted({b // pages.geometry.blocks_per_page for b in block_ids} - pages.mapped)
+        if not wanted:
+            return
+        reply = pages.handle(PageRequest("map", tuple(wanted)))
+        if not reply.ok:
+            error = PhysicalMemoryExhausted if reply.refusal == "exhausted" else DriverError
+            raise error(f"Model Runner V2's warm-up needs kv pages {wanted} for its dummy requests' blocks on "
+                        f"rank {pages.rank}, and the map was refused: {reply.message}")
+        self.lent.extend(wanted)
+
+    def release(self) -> None:
+        """Unmap every lent page. A failed unmap is logged, not raised: the rank's books keep
+        what it left mapped (`RankPages`), and the pool adopts those pages as mapped."""
+        if not self.lent:
+            return
+        pages, self.lent = tuple(self.lent), []
+        reply = self.kv.pages.handle(PageRequest("unmap", pages))
+        if not reply.ok:
+            _logger.warning("kvcached: after Model Runner V2's warm-up, rank %d could not unmap kv pages %s "
+                            "(%s); they stay mapped and the pool adopts them", self.kv.pages.rank,
+                            list(reply.held), reply.message)
+
+
+def _kv_of_runner(model_runner: Any) -> RankKv | None:
+    """The KV space the runner's tensors lie on (None: not kvcached's, or no KV tensors)."""
+    for entry in getattr(model_runner, "kv_caches", ()):
+        for tensor in _flat(entry):
+            return rank_kv_of(tensor)
+    return None
+
+
+def _flat(entry: Any) -> Iterator[Any]:
+    yield from entry if isinstance(entry, (list, tuple)) else (entry,)
+
+
+def _wrap_warmup(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def warmup_kernels(model_runner: Any, worker_execute_model: Callable[[Any], Any],
+                       worker_sample_tokens: Callable[..., Any]) -> None:
+        kv = _kv_of_runner(model_runner) if install_state.is_enabled() else None
+        if kv is None:
+            original(model_runner, worker_execute_model, worker_sample_tokens)
+            return
+        lease = WarmupPages(kv)
+
+        def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            lease.cover(scheduled_block_ids(scheduler_output))
+            return worker_execute_model(scheduler_output, *args, **kwargs)
+
+        try:
+            original(model_runner, execute_model, worker_sample_tokens)
+        finally:
+            lease.release()
+
+    return warmup_kernels
+
+
+def seams(caps: Capabilities) -> list[Seam]:
+    """V2's warm-up seam where kvcached serves V2, else the refusal; vLLM's shape checked."""
+    if not caps.model_runner_v2:
+        return [_refusal_seam()]
+    from vllm.v1.worker import gpu_worker
+    from vllm.v1.worker.gpu import warmup
+
+    original = require_vllm_helper(gpu_worker, "warmup_kernels", warmup)
+    return [(gpu_worker, "warmup_kernels", _wrap_warmup(original))]

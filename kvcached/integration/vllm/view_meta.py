@@ -1,4 +1,4 @@
-"""Byte-page metadata on the runner's KV views, and the 0.26-0.28 reshape seam that attaches it.
+"""Byte-page metadata on the runner's KV views, and the 0.26-0.28 reshape seams that attach it.
 
 Every KV view vLLM's runner holds carries `kvcached.views.BytePageMeta` (`attach_meta`),
 which block copies (`copies`) and kvcached's page mapping rely on. The 0.29+ allocation
@@ -9,6 +9,10 @@ which block copies (`copies`) and kvcached's page mapping rely on. The 0.29+ all
     metadata to every view it returns, list elements included (0.26 Mamba state lists).
     The block dimension comes from the attention backend (``get_kv_cache_block_dim``, as
     vLLM's hybrid restride uses) or is 0 for Mamba. Disabled, it is vLLM's reshape alone.
+
+``vllm.v1.worker.gpu.attn_utils._reshape_kv_cache`` (Model Runner V2, 0.26-0.28)
+    The same for V2's module function (`annotate_views` is the one definition); layers
+    sharing another's KV alias its views, so they carry its metadata.
 
 Invariants:
 
@@ -23,7 +27,7 @@ Invariants:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -34,17 +38,19 @@ from kvcached.integration.vllm.capabilities import Capabilities
 from kvcached.integration.vllm.rank_kv import block_strides
 from kvcached.views import BytePageMeta, attach_meta, describe_block_view
 
-__all__ = ["annotate_runner_views", "check_block_row", "describe_layer_view", "wrap_reshape"]
+__all__ = ["annotate_views", "check_block_row", "describe_layer_view", "wrap_reshape", "wrap_reshape_v2"]
 
 
-def _layer_block_dims(runner: Any, kernel_block_sizes: Sequence[int]) -> tuple[dict[str, int], set[str]]:
-    """Block dimension of each layer's view, and the names of the Mamba layers."""
+def _layer_block_dims(groups: Iterable[Any], kernel_block_sizes: Sequence[int],
+                      cache_dtype: str) -> tuple[dict[str, int], set[str]]:
+    """Block dimension of each layer's view, and the names of the Mamba layers (``groups``:
+    the runner's attention groups, flattened)."""
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 
     dims: dict[str, int] = {}
     mamba: set[str] = set()
-    for group in runner._kv_cache_spec_attn_group_iterator():
-        if group.kv_cache_group_id == len(kernel_block_sizes):
+    for group in groups:
+        if group.kv_cache_group_id >= len(kernel_block_sizes):
             continue  # vLLM's trailing group of layers without KV cache
         spec = group.kv_cache_spec
         if isinstance(spec, MambaSpec):
@@ -55,7 +61,7 @@ def _layer_block_dims(runner: Any, kernel_block_sizes: Sequence[int]) -> tuple[d
                 kernel_block_sizes[group.kv_cache_group_id],
                 spec.num_kv_heads,
                 spec.head_size,
-                cache_dtype_str=runner.cache_config.cache_dtype,
+                cache_dtype_str=cache_dtype,
             )
             dims.update(dict.fromkeys(group.layer_names, int(dim)))
     return dims, mamba
@@ -80,12 +86,10 @@ def check_block_row(name: str, meta: BytePageMeta, stride: int) -> None:
         )
 
 
-def annotate_runner_views(
-    runner: Any, kv_caches: dict[str, Any], kernel_block_sizes: Sequence[int], caps: Capabilities
-) -> None:
+def annotate_views(kv_caches: dict[str, Any], num_blocks: int, groups: Iterable[Any],
+                   kernel_block_sizes: Sequence[int], cache_dtype: str, caps: Capabilities) -> None:
     """Attach byte-page metadata to every view vLLM's reshape returned (lists included)."""
-    num_blocks = int(runner.kv_cache_config.num_blocks)
-    dims, mamba = _layer_block_dims(runner, kernel_block_sizes)
+    dims, mamba = _layer_block_dims(groups, kernel_block_sizes, cache_dtype)
     strides = block_strides()
     pending: list[tuple[torch.Tensor, BytePageMeta]] = []
     for name, entry in kv_caches.items():
@@ -113,7 +117,29 @@ def wrap_reshape(original: Callable[..., Any]) -> Callable[..., Any]:
         kv_caches: dict[str, Any] = original(self, kv_cache_raw_tensors, kernel_block_sizes)
         state = install_state.current()
         if state is not None and state.enabled:
-            annotate_runner_views(self, kv_caches, kernel_block_sizes, state.caps)
+            annotate_views(kv_caches, int(self.kv_cache_config.num_blocks), self._kv_cache_spec_attn_group_iterator(),
+                           kernel_block_sizes, self.cache_config.cache_dtype, state.caps)
         return kv_caches
 
     return _reshape_kv_cache_tensors
+
+
+def wrap_reshape_v2(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The reshape seam over Model Runner V2's ``gpu.attn_utils._reshape_kv_cache``: the same
+    annotation; layers sharing another's KV alias its views, and so its metadata."""
+
+    @functools.wraps(original)
+    def _reshape_kv_cache(attn_groups: Sequence[Any], kv_cache_raw_tensors: dict[str, torch.Tensor],
+                          cache_dtype: str, kernel_block_sizes: list[int], shared_kv_cache_layers: dict[str, str],
+                          kv_cache_config: Any = None) -> dict[str, Any]:
+        kv_caches: dict[str, Any] = original(attn_groups, kv_cache_raw_tensors, cache_dtype, kernel_block_sizes,
+                                             shared_kv_cache_layers, kv_cache_config)
+        state = install_state.current()
+        if state is not None and state.enabled:
+            if kv_cache_config is None:  # every 0.26-0.28 caller passes it; the block count is there
+                raise IntegrationError("Model Runner V2 reshaped KV views without a KV cache config")
+            annotate_views(kv_caches, int(kv_cache_config.num_blocks), attn_groups, kernel_block_sizes,
+                           cache_dtype, state.caps)
+        return kv_caches
+
+    return _reshape_kv_cache

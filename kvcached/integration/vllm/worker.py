@@ -1,6 +1,7 @@
 """Worker-side seams: installed and uninstalled together, as the ``worker`` part of `install_state`.
 
-Model Runner V1, every series in `capabilities.SUPPORTED`. Each seam lives with its concern,
+Model Runner V1, every series in `capabilities.SUPPORTED`, and V2 where kvcached serves it.
+Each seam lives with its concern,
 and `install` replaces these attributes, each restored exactly by `uninstall`:
 
 * `allocation`: ``GPUModelRunner._allocate_kv_cache_tensors`` while ``allocate_kv_cache`` is
@@ -10,7 +11,9 @@ and `install` replaces these attributes, each restored exactly by `uninstall`:
 * `copies`: ``vllm.v1.worker.gpu_model_runner.copy_kv_cache_blocks_inplace``;
 * `capacity`: ``vllm.v1.worker.gpu_worker.request_memory``, ``Worker.determine_available_memory``
   and, on the CPU platform, ``CPUWorker.determine_available_memory``;
-* `runner_v2`: ``VllmConfig.use_v2_model_runner``, which refuses Model Runner V2.
+* `runner_v2`: Model Runner V2, where kvcached serves it (0.26-0.28; ``Capabilities.model_runner_v2``):
+  ``vllm.v1.worker.gpu_worker.warmup_kernels``, with V2's allocation, reshape and copy names in
+  `allocation` and `copies`; elsewhere ``VllmConfig.use_v2_model_runner``, which refuses V2.
 
 Behind them: `backings` opens and registers the virtual ranges, `rank_kv` finds a rank's
 KV space by the address of its tensors, and `engine_config` hands the engine's
@@ -62,7 +65,7 @@ def installed_capabilities() -> Capabilities | None:
 def _plan(caps: Capabilities) -> list[Seam]:
     """(owner, attribute, replacement) for every seam, after checking vLLM's shape."""
     copy = copies.seams(caps)  # checked first: without a logical block copy nothing else applies
-    return [*allocation.seams(caps), *copy, *capacity.seams(caps), *runner_v2.seams()]
+    return [*allocation.seams(caps), *copy, *capacity.seams(caps), *runner_v2.seams(caps)]
 
 
 def install(caps: Capabilities, *, enabled: bool | None = None) -> None:
