@@ -1,8 +1,8 @@
 """The environment every vLLM engine process of this project runs with.
 
 vLLM on CPU, offline: no telemetry, loopback only for its queues, the engine core in-process
-(about 3 s to start instead of 26 s), and Model Runner V1, the runner kvcached integrates
-with. One definition serves the harness, the tests' engine children and the nox sessions.
+(about 3 s to start instead of 26 s), and Model Runner V1 (`MODEL_RUNNER_ENV`: the harness's
+``--model-runner`` can leave the choice to vLLM, or ask for V2). One definition serves the harness, the tests' engine children and the nox sessions.
 This module imports nothing, so ``noxfile.py`` can load it without the project installed.
 """
 
@@ -16,6 +16,21 @@ ENGINE_ENV: dict[str, str] = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_USE_V2_MODEL_RUNNER": "0",
 }
+
+#: ``--model-runner`` -> the value of VLLM_USE_V2_MODEL_RUNNER (None: unset, vLLM decides).
+MODEL_RUNNER_ENV: dict[str, str | None] = {"v1": "0", "v2": "1", "vllm": None}
+
+
+def with_model_runner(env: dict[str, str], model_runner: str) -> dict[str, str]:
+    """``env`` with vLLM's runner switch set as ``model_runner`` asks (`MODEL_RUNNER_ENV`)."""
+    if model_runner not in MODEL_RUNNER_ENV:
+        raise ValueError(f"model runner {model_runner!r}: one of {sorted(MODEL_RUNNER_ENV)}")
+    value = MODEL_RUNNER_ENV[model_runner]
+    out = {k: v for k, v in env.items() if k != "VLLM_USE_V2_MODEL_RUNNER"}
+    if value is not None:
+        out["VLLM_USE_V2_MODEL_RUNNER"] = value
+    return out
+
 
 #: kvcached variables that describe the machine's vLLM, not one engine's case: a child keeps them.
 HOST_KNOBS: tuple[str, ...] = ("KVCACHED_VLLM_TRIAL",)

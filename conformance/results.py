@@ -128,10 +128,18 @@ class SchedulerRan(_Strict):
     executor: str  # the executor class vLLM chose
     world_size: int  # tensor x pipeline parallel ranks
     engine_core_separate: bool | None = None  # the EngineCore ran in a process of its own (None: not read)
+    model_runner: str | None = None  # rank 0's model runner class, module.name (None: not read)
 
     @property
     def name(self) -> str:
         return self.scheduler_type + ("+batch_queue" if self.batch_queue else "")
+
+    @property
+    def runner(self) -> str | None:
+        """vLLM's model runner generation that ran: V2 lives in ``vllm.v1.worker.gpu``."""
+        if self.model_runner is None:
+            return None
+        return "V2" if self.model_runner.startswith("vllm.v1.worker.gpu.") else "V1"
 
     @property
     def ran_async(self) -> bool:

@@ -262,3 +262,43 @@ def test_cuda_gated_deltanet_models_ask_for_vllms_triton_prefill(tmp_path: Path)
         kw = runner._engine_kwargs(C.Case(C.ARCHETYPES[name]), tmp_path, 4096, 1 << 30, {})
         assert kw.get("gdn_prefill_backend") == ("triton" if name != "llama" else None)
     assert "gdn_prefill_backend" not in PROFILES[Device.CPU].kwargs_of("qwen3_next")
+
+
+V1_RUNNER, V2_RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner", "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
+
+
+@pytest.mark.parametrize(("reference", "other", "problem"), [
+    (V2_RUNNER, V2_RUNNER, None),
+    (V1_RUNNER, "vllm.v1.worker.cpu_model_runner.CPUModelRunner", None),  # both V1
+    (V2_RUNNER, V1_RUNNER, "model runners differ: reference V2, other V1"),
+    (V2_RUNNER, None, None),  # a result written before the fact was read
+])
+def test_both_sides_must_have_run_the_same_model_runner(reference: str, other: str | None,
+                                                         problem: str | None) -> None:
+    """vLLM decides the runner per engine (``--model-runner vllm``); a comparison of a V2 engine
+    against a V1 engine is no comparison, and the row names both."""
+    from conformance.orchestrate.compare import Pair, _layout_checks, _layout_ran
+    from conformance.results import CaseResult, SchedulerRan
+
+    case = C.Case(C.ARCHETYPES["llama"])
+
+    def result(side: str, runner: str | None) -> CaseResult:
+        ran = SchedulerRan(scheduler_type="Scheduler", batch_queue=False, async_scheduling=False,
+                           executor="UniProcExecutor", world_size=1, engine_core_separate=False, model_runner=runner)
+        return CaseResult(case=case.to_json(), side=side, engine="native", scheduler=ran)  # type: ignore[arg-type]
+
+    ref, oth = result("reference", reference), result("candidate", other)
+    found = _layout_checks(case, Pair(case, ref, oth, None, None, False))
+    assert found.problems == ([problem] if problem else [])
+    assert _layout_ran(ref.scheduler).endswith(", in-process, Model Runner " + ("V2" if "gpu.model" in reference else "V1"))
+
+
+@pytest.mark.parametrize(("choice", "value"), [("v1", "0"), ("v2", "1"), ("vllm", None)])
+def test_the_model_runner_choice_sets_vllms_switch(choice: str, value: str | None,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from conformance.orchestrate.runner import child_env
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # a user's own setting never leaks through
+    assert child_env("kvcached", C.Layout.INPROC, choice).get("VLLM_USE_V2_MODEL_RUNNER") == value
+    with pytest.raises(ValueError, match="model runner 'v3'"):
+        child_env("kvcached", C.Layout.INPROC, "v3")

@@ -215,6 +215,11 @@ class WorkerAgent:
 
         install_copy_fault(plan_path, int(self.rank))  # type: ignore[attr-defined]
 
+    def conformance_model_runner(self) -> str:
+        """This rank's model runner class, ``module.name`` (V1 and V2 live in different modules)."""
+        runner = type(self.model_runner)  # type: ignore[attr-defined]
+        return f"{runner.__module__}.{runner.__qualname__}"
+
     def conformance_copy_stats(self) -> dict[str, int]:
         import kvcached
 

@@ -91,35 +91,48 @@ def install_emulated_seam(sched: Any, plan_path: Path) -> EmulatedSeam:
 
 
 # ---- the worker's block copy (site ``copy``) ------------------------------------------------
-_copy_original: Any = None
+#: (module, its original) for each runner module whose copy name is wrapped in this process.
+_copy_originals: list[tuple[Any, Any]] = []
+
+
+def _copy_modules() -> list[Any]:
+    """The modules whose ``copy_kv_cache_blocks_inplace`` a runner calls: V1's, and V2's
+    where vLLM has it (``vllm.v1.worker.gpu.model_runner``)."""
+    from vllm.v1.worker import gpu_model_runner
+
+    modules = [gpu_model_runner]
+    try:
+        from vllm.v1.worker.gpu import model_runner as model_runner_v2
+    except ImportError:  # a vLLM without Model Runner V2
+        return modules
+    if hasattr(model_runner_v2, "copy_kv_cache_blocks_inplace"):
+        modules.append(model_runner_v2)
+    return modules
 
 
 def install_copy_fault(plan_path: str, rank: int) -> None:
-    """Wrap this worker process's ``copy_kv_cache_blocks_inplace`` (the name the V1 runner
-    calls) with the plan's ``copy`` checks; `uninstall_copy_fault` restores it."""
-    global _copy_original
-    from vllm.v1.worker import gpu_model_runner
-
+    """Wrap this worker process's ``copy_kv_cache_blocks_inplace`` (the names the V1 and V2
+    runners call) with the plan's ``copy`` checks; `uninstall_copy_fault` restores them."""
     injector = FaultInjector.from_env(plan_path, rank=rank)
     assert injector is not None
     uninstall_copy_fault()
-    original = gpu_model_runner.copy_kv_cache_blocks_inplace
+    for module in _copy_modules():
+        original = module.copy_kv_cache_blocks_inplace
+        module.copy_kv_cache_blocks_inplace = _failing_copy(injector, original)
+        _copy_originals.append((module, original))
 
+
+def _failing_copy(injector: FaultInjector, original: Any) -> Any:
     def copy_kv_cache_blocks_inplace(kv_caches: Any, num_blocks: int, copies: Any) -> None:
         if copies:
             injector.check("copy")
         original(kv_caches, num_blocks, copies)
 
-    _copy_original = original
-    gpu_model_runner.copy_kv_cache_blocks_inplace = copy_kv_cache_blocks_inplace
+    return copy_kv_cache_blocks_inplace
 
 
 def uninstall_copy_fault() -> None:
-    """Put native's copy back (a no-op when nothing is installed in this process)."""
-    global _copy_original
-    if _copy_original is None:
-        return
-    from vllm.v1.worker import gpu_model_runner
-
-    gpu_model_runner.copy_kv_cache_blocks_inplace = _copy_original
-    _copy_original = None
+    """Put native's copies back (a no-op when nothing is installed in this process)."""
+    while _copy_originals:
+        module, original = _copy_originals.pop()
+        module.copy_kv_cache_blocks_inplace = original

@@ -93,6 +93,7 @@ class EngineHandle:
         # is a MultiprocExecutor on the CPU but a UniProcExecutor at TP=1 on CUDA, so the
         # process, not the executor, says which layout ran.
         facts["engine_core_separate"] = facts.pop("engine_core_pid") != os.getpid()
+        facts["model_runner"] = self.rank_call("conformance_model_runner")[0]
         return SchedulerRan.model_validate(facts)
 
     def geometry(self, page_size: int | None) -> Geometry:

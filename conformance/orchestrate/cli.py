@@ -114,6 +114,12 @@ def _add_engine_settings(p: argparse.ArgumentParser) -> None:
         help="override KVCACHED_BUDGET_BYTES of the tiny-budget plan (default: derived from geometry)",
     )
     p.add_argument(
+        "--model-runner", choices=("v1", "v2", "vllm"), default="v1",
+        help="vLLM's model runner on both sides: v1 (VLLM_USE_V2_MODEL_RUNNER=0, the default), v2 (=1), or vllm "
+             "(unset: vLLM decides, as for a user; on CUDA that is V2 for dense models). Rows name the runner "
+             "that ran",
+    )
+    p.add_argument(
         "--no-async-override",
         action="store_true",
         help="do not re-enable async scheduling on CPU (async cases then report 'asked async, ran sync')",
@@ -213,6 +219,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         case_timeout_s=args.case_timeout,
         isolate_knob_cases=args.isolate_knob_cases,
         jobs=args.jobs,
+        model_runner=args.model_runner,
     )
 
 
@@ -325,6 +332,8 @@ def _write(args: argparse.Namespace, cfg: RunConfig, cases: list[C.Case], out: C
         "page_size": args.page_size or "derived per archetype (see geometry in raw results)",
         "kv_cache_bytes": args.kv_cache_bytes,
         "async_override": cfg.async_override,
+        "model_runner": {"v1": "V1 (VLLM_USE_V2_MODEL_RUNNER=0)", "v2": "V2 (VLLM_USE_V2_MODEL_RUNNER=1)",
+                         "vllm": "vLLM's choice (VLLM_USE_V2_MODEL_RUNNER unset)"}[cfg.model_runner],
         "engine_env": "PYTHONHASHSEED=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1; layout inproc: "
                       "VLLM_ENABLE_V1_MULTIPROCESSING=0; mp and tp2: =1, VLLM_CPU_OMP_THREADS_BIND=nobind",
     }

@@ -545,7 +545,8 @@ def _layout_ran(s: SchedulerRan | None) -> str:
     if s is None:
         return "?"
     where = {True: ", EngineCore process", False: ", in-process", None: ""}[s.engine_core_separate]
-    return f"{s.executor} x{s.world_size}{where}"
+    runner = f", Model Runner {s.runner}" if s.runner else ""
+    return f"{s.executor} x{s.world_size}{where}{runner}"
 
 
 def _layout_checks(case: Case, pair: Pair) -> Findings:
@@ -559,6 +560,10 @@ def _layout_checks(case: Case, pair: Pair) -> Findings:
         separate = s.engine_core_separate if s.engine_core_separate is not None else s.executor != "UniProcExecutor"
         if separate != want_mp or s.world_size != want_ranks:
             found.add(ProblemKind.CHECK, f"{side}: asked layout {case.layout.value}, ran {_layout_ran(s)}")
+    runners = {side: res.scheduler.runner for side, res in (("reference", pair.ref), ("other", pair.other))
+               if res.scheduler is not None and res.scheduler.runner is not None}
+    if len(set(runners.values())) > 1:  # vLLM decides per engine; both sides must have run the same runner
+        found.add(ProblemKind.CHECK, "model runners differ: " + ", ".join(f"{k} {v}" for k, v in runners.items()))
     return found
 
 

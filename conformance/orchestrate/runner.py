@@ -33,6 +33,7 @@ from typing import Any
 
 from conformance.cases import Case, Control, Layout
 from conformance.engine_env import ENGINE_ENV as BASE_ENGINE_ENV
+from conformance.engine_env import with_model_runner
 
 AGENT_ENV = "CONFORMANCE_AGENT"  # conformance.engine.agent.ENV (the parent imports no engine code)
 from conformance.results import CaseResult, Job, JobEntry, load_result, write_atomic
@@ -60,6 +61,7 @@ class RunConfig:
     case_timeout_s: float = 150.0
     device: str = "cpu"  # the `conformance.device` profile of every engine
     jobs: int = 1  # archetype groups run side by side (`cli._run_matrix`)
+    model_runner: str = "v1"  # `conformance.engine_env.MODEL_RUNNER_ENV`: v1, v2, or vllm (vLLM decides)
 
     @property
     def async_required(self) -> bool:
@@ -85,8 +87,9 @@ def base_case(c: Case) -> Case:
     return replace(c, control=Control.NONE)
 
 
-def child_env(engine: str, layout: Layout = Layout.INPROC) -> dict[str, str]:
+def child_env(engine: str, layout: Layout = Layout.INPROC, model_runner: str = "v1") -> dict[str, str]:
     """Engine environment; kvcached knobs other than the switch are set per case by the child.
+    ``model_runner``: `RunConfig.model_runner`.
 
     The layout is a process's, not a case's: vLLM caches its environment once an engine
     core has started in a process, so each layout gets engine processes of its own.
@@ -100,7 +103,7 @@ def child_env(engine: str, layout: Layout = Layout.INPROC) -> dict[str, str]:
     env[AGENT_ENV] = "1"  # the harness's agent in every process of the engine (observes only)
     if engine == "kvcached":
         env["KVCACHED_ENABLE"] = "1"
-    return env
+    return with_model_runner(env, model_runner)
 
 
 def group_candidate_cases(cases: Iterable[Case], engine: str, isolate_knob_cases: bool) -> list[list[Case]]:
@@ -247,7 +250,7 @@ class Runner:
         timeout = self.cfg.startup_timeout_s + self.cfg.case_timeout_s * len(cases) * slow
         self.say(f"  -> {label}: {len(cases)} case(s), {engine} engine")
         job = self._job(side, engine, entries)
-        out = run_child(label, job, child_env(engine, layout), self.raw / "jobs", timeout, self._on_line(side))
+        out = run_child(label, job, child_env(engine, layout, self.cfg.model_runner), self.raw / "jobs", timeout, self._on_line(side))
         self.children.append(out)
         why = f"child timed out after {timeout:.0f} s" if out.timed_out else f"child exited with {out.returncode}"
         for c in cases:
