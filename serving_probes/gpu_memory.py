@@ -58,6 +58,8 @@ class Workload:
     max_tokens: int = 64
     gpu_memory_utilization: float = 0.3
     compiled: bool = True
+    #: vLLM's model runner (`conformance.engine_env.MODEL_RUNNER_ENV`): v1, v2, or vllm (vLLM decides).
+    model_runner: str = "v1"
     seed: int = 1234
 
     def prompts(self) -> list[list[int]]:
@@ -81,6 +83,7 @@ class Sample:
 @dataclass
 class EngineRun:
     side: str  # "native" | "kvcached" | "kvcached-second"
+    model_runner: str = ""  # the runner class that ran, module.name (V2 lives in vllm.v1.worker.gpu)
     num_blocks: int = 0
     kv_tensor_bytes: int = 0
     startup_s: float = 0.0
@@ -154,6 +157,11 @@ def _kv_pointers(llm: Any) -> list[int]:
     return sorted({int(t.data_ptr()) for t in llm.collective_rpc(_worker_kv_pointers)[0]})
 
 
+def _worker_runner(worker: Any) -> str:
+    runner = type(worker.model_runner)
+    return f"{runner.__module__}.{runner.__qualname__}"
+
+
 def _worker_kv_pointers(worker: Any) -> list[Any]:
     caches = worker.model_runner.kv_caches
     flat: list[Any] = []
@@ -189,6 +197,7 @@ def run_engine(side: str, workload: Workload, out: Path, bursts: int = 2, hold_d
                   enforce_eager=not workload.compiled, gpu_memory_utilization=workload.gpu_memory_utilization,
                   max_model_len=4096, enable_prefix_caching=True)
         run.startup_s = round(time.monotonic() - t, 2)
+        run.model_runner = str(llm.collective_rpc(_worker_runner)[0])
         kv_config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config  # in-process engine
         run.num_blocks = int(kv_config.num_blocks)
         run.kv_tensor_bytes = sum(int(x.size) for x in kv_config.kv_cache_tensors)
@@ -226,20 +235,20 @@ def run_engine(side: str, workload: Workload, out: Path, bursts: int = 2, hold_d
 
 
 # ---- the parent: one process per engine, then the report ---------------------------------------
-def _child_env(side: str) -> dict[str, str]:
-    from conformance.engine_env import ENGINE_ENV, without_kvcached
+def _child_env(side: str, model_runner: str) -> dict[str, str]:
+    from conformance.engine_env import ENGINE_ENV, with_model_runner, without_kvcached
 
     env = {**without_kvcached(dict(os.environ)), **ENGINE_ENV, "PYTHONHASHSEED": "0"}
     if side.startswith("kvcached"):
         env["KVCACHED_ENABLE"] = "1"
-    return env
+    return with_model_runner(env, model_runner)
 
 
 def _spawn(side: str, workload: Workload, work: Path, bursts: int, hold: bool) -> subprocess.Popen[bytes]:
     args = [sys.executable, "-m", "serving_probes.gpu_memory", "--child", side, "--work", str(work),
             "--workload", json.dumps(asdict(workload)), "--bursts", str(bursts)] + (["--hold"] if hold else [])
     log = open(work / f"{side}.log", "wb")  # noqa: SIM115 - the child owns it until it exits
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=_child_env(side))
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=_child_env(side, workload.model_runner))
 
 
 def _wait(proc: subprocess.Popen[bytes], side: str, work: Path, timeout: float) -> EngineRun:
@@ -297,6 +306,8 @@ def checks(runs: list[EngineRun]) -> dict[str, bool]:
         "and vLLM sized it exactly as the first (not misled by the first's pages)":
             not second.error and (second.num_blocks, second.kv_tensor_bytes) == (kvc.num_blocks, kvc.kv_tensor_bytes),
     }
+    if nat.model_runner or kvc.model_runner:  # runs recorded before 12-04 did not read it
+        out["both ran the same model runner"] = ok and kvc.model_runner == nat.model_runner
     if ok:
         startup, idle1 = kvc.phases["startup"], kvc.phases["idle after burst 1"]
         out["kvcached uses less device memory than native after start-up"] = (
@@ -412,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/kvcached-gpu-memory"))
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--eager", action="store_true", help="eager engines (default: compiled with CUDA graphs)")
+    p.add_argument("--model-runner", choices=("v1", "v2", "vllm"), default="v1",
+                   help="vLLM's model runner: v1 (the default), v2, or vllm (vLLM decides: V2 for this dense model)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
     p.add_argument("--bursts", type=int, default=2, help=argparse.SUPPRESS)
@@ -422,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         run_engine(args.child, workload, args.work / f"{args.child}.json", args.bursts,
                    args.work if args.hold else None)
         return 0
-    workload = Workload(requests=args.requests, compiled=not args.eager)
+    workload = Workload(requests=args.requests, compiled=not args.eager, model_runner=args.model_runner)
     runs = measure(workload, args.work)
     path = report(runs, workload, args.out, _environment(argv))
     failed = [k for k, v in checks(runs).items() if not v]

@@ -7,6 +7,8 @@ report) on a smaller burst: native, then kvcached, then a second kvcached engine
 first. Every check of the probe must hold, among them: the burst's pages are unmapped once the
 engine is idle and mapped again in the next burst (the pool's counters), the KV tensors keep
 their addresses, the captured graphs replay in both bursts, and both bursts give native's tokens.
+It runs twice: on Model Runner V1, and on the runner vLLM picks itself (V2 for this dense model
+on CUDA), which each engine must have run.
 """
 
 from __future__ import annotations
@@ -36,10 +38,13 @@ def _why_not() -> str | None:
 pytestmark = pytest.mark.skipif(bool(_why_not()), reason=_why_not() or "")
 
 
-def test_compiled_engine_survives_unmap_and_remap(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("model_runner", "ran"), [("v1", "V1"), ("vllm", "V2")])
+def test_compiled_engine_survives_unmap_and_remap(model_runner: str, ran: str, tmp_path: Path) -> None:
+    """``vllm``: the runner vLLM picks for this dense model on CUDA, Model Runner V2."""
     from serving_probes.gpu_memory import Workload, checks, measure
 
-    runs = measure(Workload(requests=16, prompt_tokens=600, max_tokens=32), tmp_path)
+    runs = measure(Workload(requests=16, prompt_tokens=600, max_tokens=32, model_runner=model_runner), tmp_path)
+    assert {r.model_runner.startswith("vllm.v1.worker.gpu.") for r in runs} == {ran == "V2"}, [r.model_runner for r in runs]
     failed = {name: holds for name, holds in checks(runs).items() if not holds}
     errors = {r.side: r.error[-1500:] for r in runs if r.error}
     assert not failed and not errors, (failed, errors)
