@@ -293,4 +293,5 @@ def gpu_conformance(session: nox.Session) -> None:
                 env=env, external=True)
     session.run(python, "-m", "serving_probes.gpu_memory", "--out", "reports/gpu/memory", env=env, external=True)
     session.run(python, "-m", "pytest", "-p", "no:xdist", "-q", "tests/test_gpu_engine.py", "tests/test_vmm_cuda.py",
+                "tests/test_gpu_serve.py",
                 env=env, external=True)

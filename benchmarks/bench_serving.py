@@ -28,6 +28,14 @@ distorts the figures.
 
 Prompts per phase default to 256 (tiny) and 48 (large). The full default run takes about 35
 minutes on 2 quiet cores (a round: ~2 min tiny, ~4-5 min large; each server start 20-40 s).
+
+On a GPU (``--device cuda``, the H200 through the offline bundle) the models are a ~1B-parameter
+random-weight llama and a Mamba2 hybrid (nemotron_h) in bf16, served as users serve them: compiled
+with CUDA graphs and with the model runner vLLM picks (V2 for the dense model on 0.26), beside an
+eager and a Model Runner V1 configuration of the llama (`SETUPS`, `GPU_MODELS`): 1024 prompt / 256
+output tokens, saturation at 128 concurrent requests, kvcached at its default 2 MiB page, judged
+against upstream kvcached's serving gates (throughput >= 0.90x, p95 TTFT and TPOT <= 1.20x). Each
+server's log must name the runner both sides ran.
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ CLIENT_TIMEOUT_S = 900.0
 KVCACHED_PAGE_SIZE = 64 << 10
 PHASE_ORDER = ("saturation", "rate", "overload")
 PHASE_SEEDS = {"saturation": 101, "rate": 102, "overload": 103}  # other prompts per phase: no cross-phase hits
+V2_LINE = "Using V2 Model Runner"  # vLLM's worker logs it once when it builds Model Runner V2
 CLIENT_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_HOST_IP": "127.0.0.1",
               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
 
@@ -93,6 +102,31 @@ METRICS = (
 _STEADY = {"output_throughput": 0.98, "p95_ttft_ms": 1.05, "p95_tpot_ms": 1.05}
 TARGETS: dict[str, dict[str, float]] = {"rate": _STEADY, "saturation": _STEADY,
                                          "overload": {"output_throughput": 0.95}}
+#: Upstream kvcached's serving gates on vLLM 0.29 (a GPU): throughput >= 0.90x, p95 TTFT and TPOT <= 1.20x.
+_GPU_GATES = {"output_throughput": 0.90, "p95_ttft_ms": 1.20, "p95_tpot_ms": 1.20}
+GPU_TARGETS: dict[str, dict[str, float]] = {"rate": _GPU_GATES, "saturation": _GPU_GATES,
+                                            "overload": {"output_throughput": 0.90}}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the device decides for every model of a run: the workload, the offered load, kvcached's
+    page, the targets."""
+
+    device: str
+    input_len: int
+    output_len: int
+    max_model_len: int
+    saturation_concurrency: int
+    page_size: int | None  # KVCACHED_PAGE_SIZE of the kvcached side; None: kvcached's default
+    targets: dict[str, dict[str, float]]
+    rounds: int  # the default
+
+
+SETUPS = {
+    "cpu": Setup("cpu", INPUT_LEN, OUTPUT_LEN, MAX_MODEL_LEN, SATURATION_CONCURRENCY, KVCACHED_PAGE_SIZE, TARGETS, 5),
+    "cuda": Setup("cuda", 1024, 256, 4096, 128, None, GPU_TARGETS, 3),
+}
 
 
 @dataclass(frozen=True)
@@ -104,6 +138,8 @@ class BenchModel:
     kv_cache_bytes: int
     num_prompts: int  # per phase, unless --num-prompts says otherwise
     description: str
+    eager: bool = True  # the server's --enforce-eager (False: torch.compile and CUDA graphs)
+    model_runner: str = "v1"  # `conformance.engine_env.MODEL_RUNNER_ENV`: v1, v2, vllm (vLLM decides)
 
 
 def _large_spec() -> ModelSpec:
@@ -120,6 +156,42 @@ MODELS: dict[str, BenchModel] = {
     "large": BenchModel("large", _large_spec(), 128 << 20, 48,
                         "llama: 8 layers, hidden 1024, 16 heads (4 KV), MLP 2048, fp32, ~72M parameters"),
 }
+
+
+def _scaled(name: str, label: str, **config: Any) -> ModelSpec:
+    """An archetype's CUDA spec (bf16) with ``config`` on top, under its own name."""
+    from conformance.models import model_spec
+
+    base = model_spec(name, "cuda")
+    return replace(base, name=label, config=tuple(sorted((dict(base.config) | config).items())))
+
+
+def _llama_1b() -> ModelSpec:
+    return _scaled("llama", "llama-1b", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                   num_attention_heads=32, num_key_value_heads=8, head_dim=64, initializer_range=0.02)
+
+
+def _hybrid_1b() -> ModelSpec:
+    return _scaled("nemotron_h", "nemotron_h-1b", hidden_size=2048, intermediate_size=12288,
+                   layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"] * 6,
+                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, mamba_num_heads=64,
+                   mamba_head_dim=64, ssm_state_size=64, n_groups=8, initializer_range=0.02)
+
+
+_GPU_KV = 16 << 30  # 16 GiB: 512k tokens of the llama, more than any phase holds at once
+#: The GPU's models, each in one server configuration; "1b" and "hybrid" are what users run.
+GPU_MODELS: dict[str, BenchModel] = {
+    "1b": BenchModel("1b", _llama_1b(), _GPU_KV, 512, "llama, ~1B parameters, bf16, compiled with CUDA graphs, "
+                     "vLLM's model runner", eager=False, model_runner="vllm"),
+    "1b-eager": BenchModel("1b-eager", _llama_1b(), _GPU_KV, 512, "the same llama, eager (--enforce-eager), "
+                           "vLLM's model runner", eager=True, model_runner="vllm"),
+    "1b-v1": BenchModel("1b-v1", _llama_1b(), _GPU_KV, 512, "the same llama, compiled, Model Runner V1",
+                        eager=False, model_runner="v1"),
+    "hybrid": BenchModel("hybrid", _hybrid_1b(), _GPU_KV, 512, "nemotron_h (Mamba2 + attention + MLP, 24 "
+                         "layers), ~1B parameters, bf16, compiled, vLLM's model runner", eager=False,
+                         model_runner="vllm"),
+}
+DEVICE_MODELS = {"cpu": MODELS, "cuda": GPU_MODELS}
 
 
 @dataclass(frozen=True)
@@ -162,6 +234,7 @@ class ServerFacts:
     exit_code: int
     active_line: str | None
     log_path: str
+    runner: str = ""  # the model runner the server's log names: V2 ("Using V2 Model Runner") or V1
 
 
 @dataclass
@@ -223,9 +296,10 @@ def run_client(port: int, tokenizer_dir: Path, phase: PhaseConfig, out_dir: Path
 # ---------------------------------------------------------------- servers and rounds
 
 
-def phase_config(name: str, rates: Rates | None, num_prompts: int) -> PhaseConfig:
+def phase_config(name: str, rates: Rates | None, num_prompts: int,
+                 concurrency: int = SATURATION_CONCURRENCY) -> PhaseConfig:
     if name == "saturation":
-        return PhaseConfig(name, float("inf"), SATURATION_CONCURRENCY, num_prompts, PHASE_SEEDS[name])
+        return PhaseConfig(name, float("inf"), concurrency, num_prompts, PHASE_SEEDS[name])
     if rates is None:
         raise ValueError(f"phase {name!r} needs the saturation rate first")
     rps = rates.rate_rps if name == "rate" else rates.overload_rps
@@ -243,6 +317,21 @@ def check_active(model: str, side: str, log: str) -> str | None:
     return line
 
 
+def runner_of(log: str) -> str:
+    """The model runner a server's log shows it built (vLLM logs V2 once; V1 says nothing)."""
+    return "V2" if V2_LINE in log else "V1"
+
+
+def check_same_runner(sess: Session, model: str, runner: str) -> None:
+    """Both sides of a model must run the same runner (vLLM decides per engine)."""
+    from conformance.serving import ServerError
+
+    seen = {f.runner for f in sess.servers if f.model == model}
+    if seen and seen != {runner}:
+        raise ServerError(f"{model}: this server ran Model Runner {runner}, an earlier one {sorted(seen)}: "
+                          "the sides would not be compared like for like; aborting")
+
+
 @dataclass
 class Session:
     """Everything one benchmark run collects; saved whole, even when a run aborts."""
@@ -250,6 +339,7 @@ class Session:
     phases: tuple[str, ...]
     num_prompts: dict[str, int]  # per model
     work: Path
+    setup: Setup = SETUPS["cpu"]
     runs: list[PhaseRun] = field(default_factory=list)
     servers: list[ServerFacts] = field(default_factory=list)
     rates: dict[str, Rates] = field(default_factory=dict)
@@ -259,25 +349,30 @@ def serve_side(sess: Session, model: BenchModel, tok_dir: Path, side: str, rnd: 
     """One server for ``side``: every phase against it, then SIGTERM (SIGKILL after a timeout)."""
     from conformance.serving import ServerSpec, serving
 
-    extra = (("KVCACHED_PAGE_SIZE", str(KVCACHED_PAGE_SIZE)),) if side == "kvcached" else ()
-    spec = ServerSpec(side, side == "kvcached", extra_env=extra)
+    setup = sess.setup
+    extra = (("KVCACHED_PAGE_SIZE", str(setup.page_size)),) if side == "kvcached" and setup.page_size else ()
+    spec = ServerSpec(side, side == "kvcached", extra_env=extra, dtype=model.spec.torch_dtype, eager=model.eager,
+                      model_runner=model.model_runner)
     out = sess.work / model.name / f"round{rnd}"
     out.mkdir(parents=True, exist_ok=True)
     wanted = [p for p in PHASE_ORDER if p in sess.phases or (p == "saturation" and model.name not in sess.rates)]
-    with serving(spec, tok_dir, out, max_model_len=MAX_MODEL_LEN, kv_cache_bytes=model.kv_cache_bytes,
-                 start_timeout_s=300.0) as server:
+    with serving(spec, tok_dir, out, max_model_len=setup.max_model_len, kv_cache_bytes=model.kv_cache_bytes,
+                 start_timeout_s=600.0) as server:
         active = check_active(model.name, side, server.log())
+        runner = runner_of(server.log())
+        check_same_runner(sess, model.name, runner)
         for name in wanted:
-            phase = phase_config(name, sess.rates.get(model.name), sess.num_prompts[model.name])
+            phase = phase_config(name, sess.rates.get(model.name), sess.num_prompts[model.name],
+                                 setup.saturation_concurrency)
             t0 = time.monotonic()
-            result = run_client(server.port, tok_dir, phase, out, f"{side}-{name}")
+            result = run_client(server.port, tok_dir, phase, out, f"{side}-{name}", (setup.input_len, setup.output_len))
             run = PhaseRun(model.name, side, rnd, phase, result, calibration_only=name not in sess.phases)
             sess.runs.append(run)
             sess.rates.setdefault(model.name, Rates(run.metric("request_throughput")))
             progress.advance(f"{model.name} r{rnd} {side} {name}: {run.metric('output_throughput'):.1f} tok/s, "
                              f"TTFT p95 {run.metric('p95_ttft_ms'):.0f} ms", seconds=time.monotonic() - t0)
     sess.servers.append(ServerFacts(model.name, side, rnd, server.start_s, int(server.proc.returncode), active,
-                                    str(server.log_path)))
+                                    str(server.log_path), runner))
 
 
 def prepare_model(model: BenchModel) -> Path:
@@ -318,7 +413,7 @@ def compare(sess: Session, model: str, phase: str) -> list[dict[str, Any]]:
     for m in METRICS:
         n, k = [nat[r].metric(m.key) for r in rounds], [kvc[r].metric(m.key) for r in rounds]
         ratios = [a / b if b else float("nan") for a, b in zip(k, n, strict=True)]
-        target = TARGETS[phase].get(m.key)
+        target = sess.setup.targets[phase].get(m.key)
         rows.append({"metric": m.key, "label": m.label, "higher_is_better": m.higher_is_better, "rounds": rounds,
                      "native": n, "kvcached": k, "ratios": ratios,
                      "median_ratio": statistics.median(ratios) if ratios else None, "target": target,
@@ -339,9 +434,15 @@ def _row(c: dict[str, Any]) -> dict[str, str]:
             "ratio (median, spread)": _spread(ratios), "target": target, "verdict": c["verdict"] or "-"}
 
 
+def _setup(doc: dict[str, Any]) -> Setup:
+    """The run's setup (documents saved before setups existed are CPU runs)."""
+    saved = doc.get("setup")
+    return Setup(**saved) if saved else SETUPS["cpu"]
+
+
 def _phase_title(doc: dict[str, Any], model: str, phase: str) -> str:
     r = doc["rates"].get(model)
-    load = {"saturation": f"request rate inf, max concurrency {SATURATION_CONCURRENCY}",
+    load = {"saturation": f"request rate inf, max concurrency {_setup(doc).saturation_concurrency}",
             "rate": f"Poisson {r['rate_rps']:.2f} req/s ({RATE_FRACTION}x saturation)" if r else "",
             "overload": f"Poisson {r['overload_rps']:.2f} req/s ({OVERLOAD_FACTOR}x saturation), no concurrency bound"
             if r else ""}[phase]
@@ -354,8 +455,10 @@ def _server_line(doc: dict[str, Any], model: str) -> str:
     servers = [f for f in doc["servers"] if f["model"] == model]
     starts = {s: [f["start_s"] for f in servers if f["side"] == s] for s in ("native", "kvcached")}
     active = next((f["active_line"] for f in servers if f["active_line"]), "-")
+    runners = sorted({f["runner"] for f in servers if f.get("runner")})  # recorded from 12-04
+    ran = f" Model Runner (from each server's log): {', '.join(runners)}." if runners else ""
     return (f"Server start (s): native {_spread(starts['native'], '{:.1f}')}, kvcached "
-            f"{_spread(starts['kvcached'], '{:.1f}')}. kvcached log: `{active}`")
+            f"{_spread(starts['kvcached'], '{:.1f}')}. kvcached log: `{active}`{ran}")
 
 
 METHOD = (
@@ -365,13 +468,30 @@ METHOD = (
     f"{MAX_MODEL_LEN}, seed 0, vLLM's CPU thread defaults (VLLM_CPU_OMP_THREADS_BIND=nobind); kvcached with "
     f"KVCACHED_PAGE_SIZE={KVCACHED_PAGE_SIZE}. Values: median (min-max) over rounds; ratio = kvcached/native per "
     "round. Verdict: inconclusive when the ratio spread crosses the target, else met/missed by the median ratio.")
+GPU_METHOD = (
+    "{rounds} interleaved rounds (odd: native first, even: kvcached first), a fresh server per side and round. "
+    "Client: `vllm bench serve`, random dataset {input_len} in / {output_len} out, --ignore-eos, temperature 0, "
+    f"{NUM_WARMUPS} warm-ups per phase. Server: bf16, block 16, prefix caching, --max-model-len {{max_model_len}}, "
+    "seed 0, --kv-cache-memory-bytes as each model says; compiled (torch.compile and CUDA graphs) unless the "
+    "model says eager; the model runner as each model says (vLLM's: VLLM_USE_V2_MODEL_RUNNER unset); kvcached at "
+    "its default page. Each server's log names the runner it built; both sides of a model ran the same one. Values: "
+    "median (min-max) over rounds; ratio = kvcached/native per round. Verdict: inconclusive when the ratio spread "
+    "crosses the target, else met/missed by the median ratio.")
+
+
+def _method(doc: dict[str, Any]) -> str:
+    setup = _setup(doc)
+    if setup.device == "cpu":
+        return METHOD.format(rounds=doc["rounds"])
+    return GPU_METHOD.format(rounds=doc["rounds"], input_len=setup.input_len, output_len=setup.output_len,
+                             max_model_len=setup.max_model_len)
 
 
 def build(doc: dict[str, Any]) -> Report:
     """The report as data, from the saved run (``serving.json``)."""
     run = (f"{doc['elapsed_s']:.0f} s; 1-minute load average before/after: {doc['load_before']:.2f} / "
            f"{doc['load_after']:.2f}.")
-    body = [Section("Method", (Paragraph(METHOD.format(rounds=doc["rounds"])), Paragraph(run)))]
+    body = [Section("Method", (Paragraph(_method(doc)), Paragraph(run)))]
     verdicts = []
     for name, model in doc["models"].items():
         body.append(Section(f"{name}: {model['description']}, KV pool {model['kv_cache_bytes'] >> 20} MiB",
@@ -416,32 +536,39 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--client":
         return client_main(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--models", default="tiny,large", help=f"comma-separated, of {','.join(MODELS)}")
+    ap.add_argument("--device", choices=tuple(SETUPS), default="cpu",
+                    help="cpu: the tiny and large fp32 models; cuda: the ~1B bf16 models (GPU_MODELS)")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default: cpu 5, cuda 3)")
+    ap.add_argument("--models", default=None, help=f"comma-separated, of {','.join(MODELS)} (cpu; the default: "
+                    f"tiny,large) or {','.join(GPU_MODELS)} (cuda; the default: all)")
     ap.add_argument("--phases", default="rate,saturation,overload", help=f"comma-separated, of {','.join(PHASE_ORDER)}")
     defaults = ", ".join(f"{m.name} {m.num_prompts}" for m in MODELS.values())
     ap.add_argument("--num-prompts", type=int, default=None, help=f"prompts per phase (default: {defaults})")
-    ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench")
+    ap.add_argument("--out", type=Path, default=None, help="(default: reports/bench; cuda: reports/gpu/serving)")
     ap.add_argument("--render", action="store_true", help="render the report again from serving.json in --out")
     args = ap.parse_args()
+    args.out = args.out or ROOT / "reports" / ("bench" if args.device == "cpu" else "gpu/serving")
     if args.render:
         print(write_report(build(json.loads((args.out / "serving.json").read_text())), args.out, "serving"))
         return 0
-    if unknown := (set(args.models.split(",")) - set(MODELS)) | (set(args.phases.split(",")) - set(PHASE_ORDER)):
-        ap.error(f"unknown models or phases {sorted(unknown)}")
-    models = [MODELS[m] for m in args.models.split(",")]
+    setup, known = SETUPS[args.device], DEVICE_MODELS[args.device]
+    names = (args.models or ",".join(known)).split(",")
+    rounds = args.rounds or setup.rounds
+    if unknown := (set(names) - set(known)) | (set(args.phases.split(",")) - set(PHASE_ORDER)):
+        ap.error(f"unknown models or phases for --device {args.device}: {sorted(unknown)}")
+    models = [known[m] for m in names]
     phases = tuple(p for p in PHASE_ORDER if p in args.phases.split(","))
     prompts = {m.name: args.num_prompts or m.num_prompts for m in models}
-    sess = Session(phases, prompts, Path(tempfile.mkdtemp(prefix="bench-serving-")))
+    sess = Session(phases, prompts, Path(tempfile.mkdtemp(prefix="bench-serving-")), setup)
     print(f"server and client logs: {sess.work}", flush=True)
     environment = provenance(["python", "benchmarks/bench_serving.py", *sys.argv[1:]],
                              {"transformers": version("transformers")})
-    meta: dict[str, Any] = {"environment": environment.as_dict(), "rounds": args.rounds,
-                            "load_before": _load(), "targets": TARGETS, "work_dir": str(sess.work)}
+    meta: dict[str, Any] = {"environment": environment.as_dict(), "rounds": rounds, "setup": asdict(setup),
+                            "load_before": _load(), "targets": setup.targets, "work_dir": str(sess.work)}
     t0 = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     try:
-        run_all(sess, models, args.rounds)
+        run_all(sess, models, rounds)
     except BaseException:
         partial = {**meta, "aborted": True, "runs": [asdict(r) for r in sess.runs],
                    "servers": [asdict(s) for s in sess.servers]}

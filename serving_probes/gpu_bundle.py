@@ -140,7 +140,8 @@ class Target:
 @dataclass(frozen=True)
 class WheelPin:
     """A wheel the host's image lacks. ``purpose``: ``engine`` (an offline ``LLM`` needed it on the
-    host) or ``serve`` (``vllm serve`` imports it at module level; not yet run on the host)."""
+    host), ``serve`` (``vllm serve`` imports it at module level; not yet run on the host) or ``bench``
+    (vLLM's serving benchmark client, ``vllm.benchmarks.serve``, imports it; not yet run there)."""
 
     name: str
     version: str
@@ -187,6 +188,17 @@ HOST_WHEELS: tuple[WheelPin, ...] = (
     # fastapi's own requirement (imported by fastapi/applications.py); the host's notes do not list it, so
     # it may be there already: 5 kB carried rather than an ImportError risked.
     WheelPin("annotated-doc", "0.0.7", "serve"),
+    # `vllm.benchmarks.serve` (benchmarks/bench_serving.py's client) imports aiohttp at module level; the rest
+    # are aiohttp's own requirements (pip's resolution for cp312 manylinux, 12-04). attrs is carried too:
+    # nothing the host is known to have needs it. tqdm, regex and numpy are there (transformers).
+    WheelPin("aiohttp", "3.14.5", "bench"),
+    WheelPin("aiohappyeyeballs", "2.7.1", "bench"),
+    WheelPin("aiosignal", "1.4.0", "bench"),
+    WheelPin("frozenlist", "1.8.0", "bench"),
+    WheelPin("multidict", "7.2.1", "bench"),
+    WheelPin("propcache", "0.5.4", "bench"),
+    WheelPin("yarl", "1.25.1", "bench"),
+    WheelPin("attrs", "26.1.0", "bench"),
 )
 
 
@@ -1005,10 +1017,21 @@ def kvcached():
     import kvcached
     return {"path": os.path.dirname(kvcached.__file__), "version": getattr(kvcached, "__version__", "?")}
 
+def serving():
+    import importlib
+    out = {}
+    for module in ("vllm.entrypoints.openai.api_server", "vllm.benchmarks.serve"):
+        try:
+            importlib.import_module(module)
+            out[module] = "imports"
+        except BaseException as exc:
+            out[module] = f"{type(exc).__name__}: {exc}"
+    return out
+
 out = {}
 for name, fn in [("python", python), ("torch", torch_), ("gpu", gpu), ("vllm", vllm_),
                  ("flash_attn", flash_attn), ("model_runner", model_runner), ("moe", moe),
-                 ("kvcached", kvcached)]:
+                 ("kvcached", kvcached), ("serving", serving)]:
     try:
         out[name] = {"ok": fn()}
     except BaseException as exc:
@@ -1087,12 +1110,16 @@ def _fmt_moe(v: dict[str, Any]) -> str:
     return "present" if v["present"] else "absent (group moe not installed)"
 
 
+def _fmt_serving(v: dict[str, Any]) -> str:
+    return "; ".join(f"{module}: {outcome}" for module, outcome in v.items())
+
+
 #: The report's rows: label, probe key, formatter of the probe's value.
 _PROBE_ROWS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("python", "python", str), ("vLLM", "vllm", _fmt_vllm), ("torch", "torch", _fmt_torch),
     ("GPU", "gpu", _fmt_gpu), ("flash-attn", "flash_attn", _fmt_flash_attn),
     ("model runner", "model_runner", _fmt_runner), ("MoE kernel", "moe", _fmt_moe),
-    ("kvcached", "kvcached", _fmt_vllm),
+    ("kvcached", "kvcached", _fmt_vllm), ("serving", "serving", _fmt_serving),
 )
 
 

@@ -235,6 +235,10 @@ def test_probe_reports_failures_without_raising(tmp_path: Path) -> None:
     lines = gb.format_probe(result)
     assert any(line.startswith("vLLM") and "RuntimeError: needs CUDA" in line for line in lines)
     assert any(line.startswith("GPU") and "FAILED" in line for line in lines)
+    # the serving imports report each module's failure, not the first one only
+    serving = next(line for line in lines if line.startswith("serving"))
+    assert "vllm.entrypoints.openai.api_server: RuntimeError: needs CUDA" in serving
+    assert "vllm.benchmarks.serve: RuntimeError: needs CUDA" in serving
     assert gb.format_probe({"probe": {"error": "timed out"}}) == ["probe         FAILED: timed out"]
     assert gb.export_lines(site)[0] == f"export PYTHONPATH={site}"
     assert "export VLLM_USE_FLASHINFER_SAMPLER=0" in "\n".join(gb.export_lines(site))

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conformance.engine_env import ENGINE_ENV, without_kvcached
+from conformance.engine_env import ENGINE_ENV, with_model_runner, without_kvcached
 from conformance.models import FIRST_FREE_TOKEN, VOCAB_SIZE
 from conformance.procfs import descriptors
 
@@ -57,6 +57,9 @@ class ServerSpec:
     extra_env: tuple[tuple[str, str], ...] = ()
     extra_args: tuple[str, ...] = ()  # appended to the server's command line
     log_stats: bool = False  # vLLM's stat loggers (and /metrics' engine counters) on
+    dtype: str = "float32"  # the model's compute dtype (bfloat16 on a GPU)
+    eager: bool = True  # --enforce-eager; False: torch.compile and CUDA graphs, vLLM's default
+    model_runner: str = "v1"  # `conformance.engine_env.MODEL_RUNNER_ENV`: v1, v2, or vllm (vLLM decides)
 
 
 def with_tokenizer(model_dir: Path, out_dir: Path) -> Path:
@@ -92,7 +95,7 @@ def _server_env(spec: ServerSpec) -> dict[str, str]:
     else:
         env["VLLM_PLUGINS"] = ""  # vLLM alone: no plugin loaded at all
     env.update(dict(spec.extra_env))
-    return env
+    return with_model_runner(env, spec.model_runner)
 
 
 @dataclass
@@ -177,8 +180,8 @@ def start_server(spec: ServerSpec, model_dir: Path, log_dir: Path, *, max_model_
     port, log_path = _free_port(), log_dir / f"{spec.label}.log"
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--block-size", "16", "--enable-prefix-caching", "--enforce-eager",
-           "--seed", "0", "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_bytes),
+           "--dtype", spec.dtype, "--block-size", "16", "--enable-prefix-caching",
+           *(["--enforce-eager"] if spec.eager else []), "--seed", "0", "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_bytes),
            "--tensor-parallel-size", str(spec.tensor_parallel), *([] if spec.log_stats else ["--disable-log-stats"]),
            *spec.extra_args]
     with open(log_path, "wb") as log:

@@ -1,0 +1,60 @@
+"""The GPU serving benchmark's pieces that need no GPU: its models are what they say, and a run
+whose two sides built different model runners is stopped, not compared."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import bench_serving as bs
+
+
+@pytest.mark.parametrize(("name", "low", "high"), [("1b", 0.9e9, 1.3e9), ("hybrid", 0.6e9, 1.3e9)])
+def test_gpu_models_are_the_size_they_say(name: str, low: float, high: float) -> None:
+    """Each config builds its transformers model (on the meta device: no memory, no weights)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    spec = bs.GPU_MODELS[name].spec
+    config = getattr(transformers, spec.config_class)(**dict(spec.config))
+    with torch.device("meta"):
+        model = getattr(transformers, spec.model_class)(config)
+    params = sum(p.numel() for p in model.parameters())
+    assert low <= params <= high, f"{name}: {params / 1e9:.2f}B parameters"
+    assert spec.torch_dtype == "bfloat16"
+
+
+def test_the_users_configuration_is_compiled_with_vllms_runner() -> None:
+    users = bs.GPU_MODELS["1b"]
+    assert (users.eager, users.model_runner) == (False, "vllm")
+    assert {(m.eager, m.model_runner) for m in bs.GPU_MODELS.values()} >= {(True, "vllm"), (False, "v1")}
+
+
+def _facts(model: str, side: str, runner: str) -> bs.ServerFacts:
+    return bs.ServerFacts(model, side, 1, 10.0, 0, None, "log", runner)
+
+
+def test_both_sides_must_build_the_same_runner(tmp_path: Path) -> None:
+    from conformance.serving import ServerError
+
+    sess = bs.Session(("saturation",), {"1b": 8}, tmp_path, bs.SETUPS["cuda"])
+    assert bs.runner_of("INFO [gpu_worker.py:378] Using V2 Model Runner") == "V2"
+    assert bs.runner_of("INFO [gpu_worker.py:378] Using FLASH_ATTN backend") == "V1"
+    bs.check_same_runner(sess, "1b", "V2")  # the first server: nothing to compare with
+    sess.servers.append(_facts("1b", "native", "V2"))
+    bs.check_same_runner(sess, "1b", "V2")
+    bs.check_same_runner(sess, "hybrid", "V1")  # another model's servers do not count
+    with pytest.raises(ServerError, match=r"1b: this server ran Model Runner V1, an earlier one \['V2'\]"):
+        bs.check_same_runner(sess, "1b", "V1")
+
+
+def test_a_gpu_report_names_its_setup_and_the_runner() -> None:
+    doc = {"rounds": 3, "setup": bs.asdict(bs.SETUPS["cuda"]),
+           "servers": [bs.asdict(_facts("1b", "native", "V2")), bs.asdict(_facts("1b", "kvcached", "V2"))]}
+    assert "random dataset 1024 in / 256 out" in bs._method(doc) and "max-model-len 4096" in bs._method(doc)
+    assert bs._server_line(doc, "1b").endswith("Model Runner (from each server's log): V2.")
+    cpu = {"rounds": 5, "servers": []}  # saved before setups existed: a CPU run, its method text unchanged
+    assert bs._method(cpu) == bs.METHOD.format(rounds=5)
