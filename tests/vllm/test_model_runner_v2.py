@@ -53,7 +53,16 @@ def _child(scenario: str) -> dict[str, object]:
     return {"started": True, "pools": pools}
 
 
+_ENDED: dict[str, dict[str, object]] = {}  # scenario -> how its engine ended (one child per scenario)
+
+
 def _run(scenario: str, tmp_path: Path) -> dict[str, object]:
+    if scenario not in _ENDED:
+        _ENDED[scenario] = _start(scenario, tmp_path)
+    return _ENDED[scenario]
+
+
+def _start(scenario: str, tmp_path: Path) -> dict[str, object]:
     env = {k: v for k, v in without_kvcached(dict(os.environ)).items() if k != "VLLM_PLUGINS"}
     env.update(ENGINE_ENV)
     env["KVCACHED_ENABLE"] = "0" if scenario.endswith("-off") else "1"
