@@ -58,3 +58,36 @@ def test_a_gpu_report_names_its_setup_and_the_runner() -> None:
     assert bs._server_line(doc, "1b").endswith("Model Runner (from each server's log): V2.")
     cpu = {"rounds": 5, "servers": []}  # saved before setups existed: a CPU run, its method text unchanged
     assert bs._method(cpu) == bs.METHOD.format(rounds=5)
+
+
+def _result(scale: float) -> dict[str, float]:
+    return {m.key: scale * (100.0 if m.higher_is_better else 10.0) for m in bs.METRICS}
+
+
+def test_a_gpu_run_renders_its_report_and_plot(tmp_path: Path) -> None:
+    """The report of a run, from the saved document as `--render` reads it: method, verdicts, plot.
+    Round 2's kvcached is 20% slower, so its spread crosses the targets (inconclusive), and the
+    medians of rounds 1 and 3 (equal sides) meet them."""
+    import json
+
+    setup = bs.SETUPS["cuda"]
+    sess = bs.Session(("saturation", "rate"), {"1b": 8}, tmp_path, setup)
+    for rnd, slow in ((1, 1.0), (2, 1.2), (3, 1.0)):
+        for phase in ("saturation", "rate"):
+            config = bs.phase_config(phase, bs.Rates(4.0), 8, setup.saturation_concurrency)
+            sess.runs.append(bs.PhaseRun("1b", "native", rnd, config, _result(1.0)))
+            kvc = {k: v / slow if k.endswith("throughput") else v * slow for k, v in _result(1.0).items()}
+            sess.runs.append(bs.PhaseRun("1b", "kvcached", rnd, config, kvc))
+        sess.servers += [_facts("1b", "native", "V2"), _facts("1b", "kvcached", "V2")]
+    sess.rates["1b"] = bs.Rates(4.0)
+    meta = {"environment": {"command": "test"}, "rounds": 3, "setup": bs.asdict(setup), "load_before": 0.0,
+            "load_after": 0.0, "elapsed_s": 1.0, "targets": setup.targets, "work_dir": str(tmp_path)}
+    doc = json.loads(json.dumps(bs._jsonable(bs.report(sess, meta, [bs.GPU_MODELS["1b"]]))))
+    by_metric = {c["metric"]: c for c in doc["comparisons"]["1b"]["saturation"]}
+    assert by_metric["output_throughput"]["median_ratio"] == 1.0
+    assert by_metric["output_throughput"]["verdict"] == "inconclusive"
+    bs.plot(doc, tmp_path / "serving.png")
+    assert (tmp_path / "serving.png").stat().st_size > 10_000
+    text = bs.write_report(bs.build(doc), tmp_path, "serving").read_text()
+    assert "serving.png" in text and "1b saturation output tok/s inconclusive" in text
+    assert "Model Runner (from each server's log): V2." in text
