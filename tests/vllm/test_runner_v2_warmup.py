@@ -130,3 +130,19 @@ def test_native_kv_tensors_are_left_to_vllm() -> None:
     gpu_worker.warmup_kernels(_runner(config, kv), kernels.execute_model, kernels.sample_tokens)
     assert kernels.blocks == set(range(1, MAX_SEQS + 1))
     assert int(kv.view(N, -1)[1:MAX_SEQS + 1].eq(7).all()) == 1
+
+
+def test_every_block_a_step_hands_over_is_covered() -> None:
+    """New requests' blocks (every group), running requests' new blocks, and blocks to zero."""
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    from kvcached.integration.vllm.runner_v2 import scheduled_block_ids
+
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [SimpleNamespace(block_ids=([1, 2], [9])), SimpleNamespace(block_ids=([3],))]
+    cached = CachedRequestData.make_empty()
+    cached.new_block_ids = [None, ([4], [10, 11])]
+    out.scheduled_cached_reqs = cached
+    out.new_block_ids_to_zero = [12]
+    assert scheduled_block_ids(out) == {1, 2, 3, 4, 9, 10, 11, 12}
+    assert scheduled_block_ids(SchedulerOutput.make_empty()) == set()
