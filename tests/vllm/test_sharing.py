@@ -35,7 +35,8 @@ def test_every_check_holds(shared: SharingResult) -> None:
 
 def test_the_scenario_ran_whole(shared: SharingResult) -> None:
     labels = [b.label for b in shared.bursts]
-    assert labels[:3] == ["A0", "B0", "B1"] and labels[-2:] == ["A (killed)", "B5"]
+    # B1 and the requests sent once its limit was lowered (B6) end in either order
+    assert labels[:2] == ["A0", "B0"] and set(labels[2:4]) == {"B1", "B6"} and labels[-2:] == ["A (killed)", "B5"]
     assert len(shared.fds["A"]) == len(shared.fds["B"]) == SharingPlan.quick().cycles
     assert [m for _, m in shared.marks if m.startswith(("kvctl", "SIGKILL"))] == [
         "kvctl limit B", "kvctl clear B", "SIGKILL A"]
