@@ -39,7 +39,28 @@ NUM_BLOCKS = 37  # last page is partial on purpose
 BUDGET_PAGES = 6
 
 
-class ElasticCoreMachine(RuleBasedStateMachine):
+class _SteppedMachine(RuleBasedStateMachine):
+    """Engine steps as rules: a step begins on the fence, and one in flight ends (the pool then
+    collects what the step released). Subclasses set ``fence``, ``pool`` and ``in_flight``."""
+
+    fence: Any
+    pool: Any
+    in_flight: int
+
+    @rule()
+    def begin_step(self) -> None:
+        self.fence.begin_step()
+        self.in_flight += 1
+
+    @precondition(lambda self: self.in_flight > 0)
+    @rule()
+    def end_step(self) -> None:
+        self.fence.end_step()
+        self.in_flight -= 1
+        self.pool.collect()
+
+
+class ElasticCoreMachine(_SteppedMachine):
     def __init__(self) -> None:
         super().__init__()
         self.config = KvcachedConfig(page_size=PAGE, min_reserve_pages=1, max_reserve_pages=2,
@@ -99,18 +120,6 @@ class ElasticCoreMachine(RuleBasedStateMachine):
             assert self._read(b) == bytes([self.held[b]]) * STRIDE, f"block {b} lost its bytes"
             del self.held[b]
         self.ledger.release(victims)
-
-    @rule()
-    def begin_step(self) -> None:
-        self.fence.begin_step()
-        self.in_flight += 1
-
-    @precondition(lambda self: self.in_flight > 0)
-    @rule()
-    def end_step(self) -> None:
-        self.fence.end_step()
-        self.in_flight -= 1
-        self.pool.collect()
 
     @rule()
     def shrink(self) -> None:
@@ -195,7 +204,7 @@ class _InOrder:
         return type("Done", (), {"result": lambda self: replies, "done": lambda self: True})()
 
 
-class RankedFaultsMachine(RuleBasedStateMachine):
+class RankedFaultsMachine(_SteppedMachine):
     """A ledger and pool over `RankedPageSpace` on two ranks of two real CPU backings each,
     every backing behind the backend fault seam. Rules plan failing maps and unmaps on any
     backing of any rank (so undos, unmaps and retries fail too, and retries partly succeed),
@@ -292,18 +301,6 @@ class RankedFaultsMachine(RuleBasedStateMachine):
     def admission_check(self, n: int) -> None:
         """`ensure_backed` is the admission check: never an exception, whatever fails."""
         assert self.ledger.ensure_backed(min(n, self.ledger.num_free)) == self.ledger.backed_free_count()
-
-    @rule()
-    def begin_step(self) -> None:
-        self.fence.begin_step()
-        self.in_flight += 1
-
-    @precondition(lambda self: self.in_flight > 0)
-    @rule()
-    def end_step(self) -> None:
-        self.fence.end_step()
-        self.in_flight -= 1
-        self.pool.collect()
 
     @rule()
     def step(self) -> None:
