@@ -49,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -382,7 +382,10 @@ def prepare_model(model: BenchModel) -> Path:
     return with_tokenizer(src, model_path(model.spec).parent / "serving" / src.name)
 
 
-def run_all(sess: Session, models: Sequence[BenchModel], rounds: int) -> None:
+def run_all(sess: Session, models: Sequence[BenchModel], rounds: int,
+            checkpoint: Callable[[], None] = lambda: None) -> None:
+    """Every model's rounds, the sides interleaved; ``checkpoint`` runs after each server, so a run
+    cut short (a GPU lease that ends) keeps the rounds it finished."""
     from conformance.progress import RunProgress
 
     total = len(models) * rounds * 2 * len(sess.phases) + (0 if "saturation" in sess.phases else len(models))
@@ -393,6 +396,7 @@ def run_all(sess: Session, models: Sequence[BenchModel], rounds: int) -> None:
                 sides = ("native", "kvcached") if rnd % 2 else ("kvcached", "native")
                 for side in sides:
                     serve_side(sess, model, tok_dir, side, rnd, progress)
+                    checkpoint()
 
 
 # ---------------------------------------------------------------- analysis and report
@@ -604,12 +608,15 @@ def main() -> int:
                             "load_before": _load(), "targets": setup.targets, "work_dir": str(sess.work)}
     t0 = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
+
+    def save_partial(aborted: bool = False) -> None:
+        _dump(args.out / "serving.partial.json", {**meta, "aborted": aborted, "runs": [asdict(r) for r in sess.runs],
+                                                  "servers": [asdict(s) for s in sess.servers]})
+
     try:
-        run_all(sess, models, rounds)
+        run_all(sess, models, rounds, save_partial)
     except BaseException:
-        partial = {**meta, "aborted": True, "runs": [asdict(r) for r in sess.runs],
-                   "servers": [asdict(s) for s in sess.servers]}
-        _dump(args.out / "serving.partial.json", partial)
+        save_partial(aborted=True)
         raise
     meta |= {"elapsed_s": time.monotonic() - t0, "load_after": _load()}
     doc = report(sess, meta, models)
