@@ -27,6 +27,8 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from conformance import stacks
+
 if TYPE_CHECKING:
     from conformance.engine.probes import PoolSample
 
@@ -38,6 +40,7 @@ def register() -> None:
     """vLLM general plugin (entry point ``conformance_agent``); inert unless ``CONFORMANCE_AGENT=1``."""
     if os.environ.get(ENV) != "1":
         return
+    stacks.enable()  # a timed-out engine's processes print where they stood (conformance.stacks)
     from vllm.v1.engine.core import EngineCore
 
     if "conformance_call" not in vars(EngineCore):

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from conformance import stacks
 from conformance.cases import Case, Control, PrefixPattern, Scheduling
 from conformance.device import Device, DeviceProfile, profile
 from conformance.engine import agent, emulated_faults, overrides, teardown_check
@@ -488,6 +489,7 @@ def _request_record(prompt: Prompt, out: Any, pass_no: int) -> RequestRecord:
 
 
 def main(argv: list[str]) -> int:
+    stacks.enable()
     job = load_job(Path(argv[0]))
     progress = Progress(int(argv[1]) if len(argv) > 1 else -1)
     overrides.suppress_tokenizer_free_warmup_warning()

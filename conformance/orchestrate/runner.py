@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import select
-import signal
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from conformance import stacks
 from conformance.cases import Case, Control, Layout
 from conformance.engine_env import ENGINE_ENV as BASE_ENGINE_ENV
 from conformance.engine_env import with_model_runner
@@ -137,7 +137,7 @@ def _relay(pipe: Any, proc: subprocess.Popen[bytes], deadline: float, on_line: C
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            os.killpg(proc.pid, signal.SIGKILL)
+            stacks.dump_then_kill(proc.pid)  # where it hung goes to the job's log
             return True
         ready, _, _ = select.select([pipe], [], [], min(remaining, 1.0))
         if not ready:
@@ -171,7 +171,7 @@ def run_child(
             env=env,
             pass_fds=(w_fd,),
             cwd=str(Path(__file__).resolve().parents[2]),
-            start_new_session=True,  # its own process group, so a timeout kills all of it
+            start_new_session=True,  # its own process group, so a timeout reaches all of it
         )
     os.close(w_fd)
     with os.fdopen(r_fd, "rb", buffering=0) as pipe:
@@ -252,7 +252,8 @@ class Runner:
         job = self._job(side, engine, entries)
         out = run_child(label, job, child_env(engine, layout, self.cfg.model_runner), self.raw / "jobs", timeout, self._on_line(side))
         self.children.append(out)
-        why = f"child timed out after {timeout:.0f} s" if out.timed_out else f"child exited with {out.returncode}"
+        why = (f"child timed out after {timeout:.0f} s (its processes' stacks end {out.log_path.name})"
+               if out.timed_out else f"child exited with {out.returncode}")
         for c in cases:
             self._ensure_result(side, engine, c, why, out.log_path)
         if out.tracebacks:
