@@ -260,11 +260,17 @@ def _wait(proc: subprocess.Popen[bytes], side: str, work: Path, timeout: float) 
         rc = -9
     path = work / f"{side}.json"
     if rc != 0 or not path.is_file():
-        tail = (work / f"{side}.log").read_text(errors="replace")[-3000:]
-        return EngineRun(side, error=f"exit status {rc}: {tail}")
+        return EngineRun(side, error=f"exit status {rc}: {failure_of((work / f'{side}.log').read_text(errors='replace'))}")
     data = json.loads(path.read_text())
     data["samples"] = [Sample(**x) for x in data["samples"]]
     return EngineRun(**data)
+
+
+def failure_of(log: str, limit: int = 3000) -> str:
+    """What ended an engine: its log's first traceback (vLLM's shutdown warnings follow it and would fill a
+    tail), else the log's tail."""
+    start = log.find("Traceback (most recent call last)")
+    return log[start:start + limit] if start >= 0 else log[-limit:]
 
 
 def measure(workload: Workload, work: Path, timeout: float = 400.0) -> list[EngineRun]:

@@ -70,3 +70,12 @@ def test_each_check_sees_a_planted_failure(name: str) -> None:
     runs = copy.deepcopy(_runs())
     PLANTED[name](runs)
     assert [k for k, v in checks(runs).items() if not v] == [name]
+
+
+def test_an_engine_failure_names_its_exception_not_the_shutdown_noise() -> None:
+    from serving_probes.gpu_memory import failure_of
+
+    log = ("INFO starting\nTraceback (most recent call last):\n  File 'x.py', line 1\nValueError: no room\n"
+           + "WARNING destroy_process_group() was not called\n" * 200)
+    assert failure_of(log, limit=200).startswith("Traceback") and "ValueError: no room" in failure_of(log, 200)
+    assert failure_of("just a tail\n" * 10, limit=12) == "just a tail\n"  # no traceback: the tail
