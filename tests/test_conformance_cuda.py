@@ -256,6 +256,14 @@ def test_cuda_cases_that_reschedule_run_in_float32_and_plan_from_their_own_geome
     assert (runner._geometry_key(case) != runner._geometry_key(plain)) == fp32
 
 
+def test_cuda_cases_that_reschedule_keep_16_bits_where_the_model_has_no_float32_kernel(tmp_path: Path) -> None:
+    """Gated DeltaNet refuses float32 on CUDA (0.26): such a model's rescheduling case runs in its CPU dtype."""
+    runner = _cuda_runner(tmp_path)
+    for name, dtype in (("qwen3_next", "bfloat16"), ("granitemoehybrid", "float32")):
+        case = C.Case(C.ARCHETYPES[name], pattern=C.PrefixPattern.PARTIAL_COW, fault=C.COW_ADMISSION_X2)
+        assert runner._engine_kwargs(case, tmp_path, 4096, 1 << 30, {})["dtype"] == dtype, name
+
+
 def test_cuda_gated_deltanet_models_ask_for_vllms_triton_prefill(tmp_path: Path) -> None:
     runner = _cuda_runner(tmp_path)
     for name in ("qwen3_next", "qwen3_5", "llama"):

@@ -141,8 +141,10 @@ class CaseRunner:
             # A planned miss or preemption computes requests in other batches than native's. In
             # 16-bit that can flip a near-tie token (H200: nemotron_h preempted, 3 of 40 requests;
             # granitemoehybrid after two copy-on-write rejections, 1 of 17); the case is about
-            # scheduling, not numerics, so both sides run it in float32, as on the CPU.
-            kw["dtype"] = "float32"
+            # scheduling, not numerics, so both sides run it in the CPU matrix's dtype: float32,
+            # except for the models that have no float32 kernel (qwen3_next's gated DeltaNet:
+            # "ChunkGatedDeltaRuleFunction does not support float32", H200 12-04), which stay 16-bit.
+            kw["dtype"] = case.archetype.model.torch_dtype
         # What this vLLM series' CPU kernels need (nothing on 0.28; see vllm_series): the same
         # on every side, recorded with the case's engine arguments. GPU kernels need none of it.
         return adjusted(case.archetype.name, kw) if self.device.device is Device.CPU else kw
