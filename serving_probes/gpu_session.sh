@@ -1,0 +1,91 @@
+#!/bin/bash
+# One session on a borrowed GPU host with no network (the H200 of reports/gpu): the bundle of
+# `python -m serving_probes.gpu_bundle build --out .gpu/bundle` goes there a part per call, then
+# the CUDA runs go in the background and come back packed. Run from the repository root there.
+#
+# Where each call is a fresh command on a machine that stays up only ~30 s between calls and
+# carries at most 64 MiB (the tracked tree, ~7 MB, plus the parts named to travel), the calls are:
+#   1. stage                      (carrying .gpu/bundle/core.part01)
+#   2. stage                      (carrying core.part02 and manifest.json)
+#   3. stage && install && start 480   (carrying moe.part01)
+#   4. wait 480 ... until steps shows every step ended; then, time permitting, serve ARGS...
+# Each call returns within its limit and leaves $OUT/gpu-out.txz.NN (15 MiB parts, KV snapshots
+# left out): cat them and untar. H200 timings (12-04): staging 10 s, install 56 s, the V1 matrix
+# 373 s alone; two harnesses at once hung four multiprocess engines at start-up.
+#
+#   stage              copy the bundle parts this call carried into $STAGE (persists while warm)
+#   install            verify + install the bundle into $TARGET, build kvcached there
+#   start [SECS]       copy the repo to $WORK, start `work` in its own session (setsid), then wait
+#   wait SECS          wait up to SECS for `work`, then pack $R into $OUT
+#   work               (background) the runs, each step's log in $R
+#   serve ARGS         (after work) the serving benchmark, detached, then wait
+set -u
+STAGE=/tmp/kvc-stage; TARGET=/tmp/kvc; WORK=/tmp/kvc-repo; R=/tmp/gpu-out
+SITE=$TARGET/site
+export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=0
+
+pack() {
+    [ -n "${OUT:-}" ] || return 0
+    mkdir -p $R; nvidia-smi > $R/nvidia-smi.txt 2>&1
+    rm -f /tmp/gpu-out.txz; tar -C /tmp --exclude="*.npz" -I "xz -T0 -3" -cf /tmp/gpu-out.txz gpu-out 2>/dev/null; du -sh /tmp/gpu-out /tmp/gpu-out.txz
+    split -b 15m -d /tmp/gpu-out.txz $OUT/gpu-out.txz.
+    ls -la $OUT
+}
+
+wait_work() {
+    local end=$(( $(date +%s) + $1 ))
+    while [ $(date +%s) -lt $end ] && ! [ -e $R/DONE ]; do sleep 5; done
+    echo "== steps"; cat $R/steps 2>/dev/null
+    echo "== tail of the current step"; tail -n 25 "$(ls -t $R/*.log 2>/dev/null | head -1)" 2>/dev/null
+    pack
+}
+
+step() {  # step NAME CMD...: run CMD in $WORK, log to $R/NAME.log, record rc and seconds
+    local name=$1; shift
+    local t0=$(date +%s)
+    echo "$(date +%T) start $name" >> $R/steps
+    (cd $WORK && "$@") > $R/$name.log 2>&1
+    local rc=$?
+    echo "$(date +%T) end $name rc=$rc $(( $(date +%s) - t0 ))s" >> $R/steps
+}
+
+case "${1:-}" in
+stage)
+    mkdir -p $STAGE; cp -v .gpu/bundle/* $STAGE/; ls -la $STAGE; df -h /tmp | tail -1 ;;
+install)
+    t0=$(date +%s)
+    python3 -m serving_probes.gpu_bundle install --bundle $STAGE --target $TARGET --repo . --groups core,moe
+    rc=$?; echo "install rc=$rc $(( $(date +%s) - t0 ))s"; ls $SITE | head -50 | tr '\n' ' ' ;;
+start)
+    rm -rf $WORK $R; mkdir -p $R; cp -a . $WORK; rm -rf $WORK/.gpu/bundle
+    cp -v $SITE/kvcached/_vmm*.so $WORK/kvcached/
+    setsid nohup bash $WORK/serving_probes/gpu_session.sh work > $R/session.out 2>&1 < /dev/null &
+    sleep 2; wait_work "${2:-540}" ;;
+wait)
+    wait_work "${2:-540}" ;;
+work)
+    export PYTHONPATH=$SITE:$WORK
+    nvidia-smi > $R/nvidia-smi-start.txt 2>&1
+    # One harness at a time: side by side (12-04, 11 engines starting together) four multiprocess
+    # engines hung at start-up.
+    step conformance-v1 python3 -m conformance --device cuda --jobs 8 --reports-dir $R/conformance --run-id h200
+    # The open row of run-12-04 (nemotron_h preempted under a tiny budget), again, KV kept.
+    step nemotron-tiny-budget python3 -m conformance --device cuda --archetypes nemotron_h \
+        --faults tiny-budget --no-controls --keep-kv --reports-dir $R/nemotron --run-id tiny-budget
+    step engine-tests python3 -m pytest -p no:xdist -q -rA --tb=short --basetemp=$R/pytest \
+        tests/test_gpu_engine.py tests/test_vmm_cuda.py tests/test_gpu_serve.py
+    step conformance-v2 python3 -m conformance --device cuda --jobs 4 --model-runner vllm \
+        --archetypes llama,qwen3 --reports-dir $R/conformance-v2 --run-id h200-v2
+    step memory python3 -m serving_probes.gpu_memory --out $R/memory
+    step memory-v2 python3 -m serving_probes.gpu_memory --model-runner vllm --out $R/memory-v2
+    touch $R/DONE ;;
+serve)   # serve ARGS...: the serving benchmark, detached, then wait
+    shift; rm -f $R/DONE
+    setsid nohup bash -c "export PYTHONPATH=$SITE:$WORK; source $WORK/serving_probes/gpu_session.sh fns; \
+        step serving python3 benchmarks/bench_serving.py --device cuda --out $R/serving $*; touch $R/DONE" \
+        > $R/serve.out 2>&1 < /dev/null &
+    sleep 2; wait_work 560 ;;
+fns) ;;
+*)
+    echo "usage: $0 stage|install|start [SECS]|wait SECS|work" >&2; exit 2 ;;
+esac
