@@ -72,6 +72,9 @@ work)
     # The open row of run-12-04 (nemotron_h preempted under a tiny budget), again, KV kept.
     step nemotron-tiny-budget python3 -m conformance --device cuda --archetypes nemotron_h \
         --faults tiny-budget --no-controls --keep-kv --reports-dir $R/nemotron --run-id tiny-budget
+    # A compile killed mid-write could leave a broken AOT artifact in vLLM's cache (a guess for
+    # run-12-04's engine-test failures, after runs were killed): the tests compile afresh.
+    rm -rf ~/.cache/vllm/torch_compile_cache
     step engine-tests python3 -m pytest -p no:xdist -q -rA --tb=short --basetemp=$R/pytest \
         tests/test_gpu_engine.py tests/test_vmm_cuda.py tests/test_gpu_serve.py
     step conformance-v2 python3 -m conformance --device cuda --jobs 4 --model-runner vllm \
