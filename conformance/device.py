@@ -49,6 +49,9 @@ class DeviceProfile:
     engine_kwargs: tuple[tuple[str, Any], ...] = ()
     #: Further engine arguments of one archetype's engines on this device (both sides).
     archetype_kwargs: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+    #: Seconds a child is allowed per case (scaled for slow, multiprocess and compiled groups) unless
+    #: the run says ``--case-timeout``.
+    case_timeout_s: float = 150.0
 
     def kwargs_of(self, archetype: str) -> dict[str, Any]:
         return {**dict(self.engine_kwargs), **dict(dict(self.archetype_kwargs).get(archetype, ()))}
@@ -70,7 +73,10 @@ PROFILES: dict[Device, DeviceProfile] = {
                                # network): "No module named 'flashinfer'" (H200, 12-04). Triton is
                                # vLLM's own kernel, the one it uses off Hopper.
                                archetype_kwargs=tuple((name, (("gdn_prefill_backend", "triton"),))
-                                                      for name in ("qwen3_next", "qwen3_5"))),
+                                                      for name in ("qwen3_next", "qwen3_5")),
+                               # A case takes 5-140 s on the H200; with the CPU's 150 s, a group whose
+                               # engine hung at start-up held its run for 1300 s and more (12-04).
+                               case_timeout_s=60.0),
 }
 
 

@@ -68,10 +68,7 @@ work)
     nvidia-smi > $R/nvidia-smi-start.txt 2>&1
     # One harness at a time: side by side (12-04, 11 engines starting together) four multiprocess
     # engines hung at start-up.
-    # --case-timeout 60 (default 150): a case takes 5-140 s there, and a hung engine group then
-    # gives up after 120 + 60 x cases x 1-4 s instead of eating the lease (run-12-04: 1300 s and on).
-    step conformance-v1 python3 -m conformance --device cuda --jobs 8 --case-timeout 60 \
-        --reports-dir $R/conformance --run-id h200
+    step conformance-v1 python3 -m conformance --device cuda --jobs 8 --reports-dir $R/conformance --run-id h200
     # The open row of run-12-04 (nemotron_h preempted under a tiny budget), again, KV kept.
     step nemotron-tiny-budget python3 -m conformance --device cuda --archetypes nemotron_h \
         --faults tiny-budget --no-controls --keep-kv --reports-dir $R/nemotron --run-id tiny-budget
@@ -80,7 +77,7 @@ work)
     rm -rf ~/.cache/vllm/torch_compile_cache
     step engine-tests python3 -m pytest -p no:xdist -q -rA --tb=short --basetemp=$R/pytest \
         tests/test_gpu_engine.py tests/test_vmm_cuda.py tests/test_gpu_serve.py
-    step conformance-v2 python3 -m conformance --device cuda --jobs 4 --case-timeout 60 --model-runner vllm \
+    step conformance-v2 python3 -m conformance --device cuda --jobs 4 --model-runner vllm \
         --archetypes llama,qwen3 --reports-dir $R/conformance-v2 --run-id h200-v2
     step memory python3 -m serving_probes.gpu_memory --out $R/memory
     step memory-v2 python3 -m serving_probes.gpu_memory --model-runner vllm --out $R/memory-v2

@@ -310,3 +310,11 @@ def test_the_model_runner_choice_sets_vllms_switch(choice: str, value: str | Non
     assert child_env("kvcached", C.Layout.INPROC, choice).get("VLLM_USE_V2_MODEL_RUNNER") == value
     with pytest.raises(ValueError, match="model runner 'v3'"):
         child_env("kvcached", C.Layout.INPROC, "v3")
+
+
+@pytest.mark.parametrize(("argv", "seconds"), [(["--device", "cpu"], 150.0), (["--device", "cuda"], 60.0),
+                                               (["--device", "cuda", "--case-timeout", "90"], 90.0)])
+def test_the_case_timeout_is_the_devices_unless_the_run_names_one(argv: list[str], seconds: float) -> None:
+    from conformance.orchestrate.cli import _config, build_parser
+
+    assert _config(build_parser().parse_args(argv)).case_timeout_s == seconds

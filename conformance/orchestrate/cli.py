@@ -144,7 +144,8 @@ def _add_run_settings(p: argparse.ArgumentParser) -> None:
                    help="compare and report that run's raw results again, running no engine (after a comparator "
                         "or report change; the run must have used --keep-kv; select the same cases as it did)")
     p.add_argument("--keep-kv", action="store_true", help="keep the raw KV snapshots (.npz) after comparing")
-    p.add_argument("--case-timeout", type=float, default=150.0, help="seconds allowed per case in a child")
+    p.add_argument("--case-timeout", type=float, default=None,
+                   help="seconds allowed per case in a child (default: the device's, 150 on the CPU, 60 on CUDA)")
     p.add_argument("--list", action="store_true", help="print the selected cases and exit")
 
 
@@ -216,7 +217,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         # Only the CPU platform turns async scheduling off (`conformance.engine.overrides`).
         async_override=not args.no_async_override and device.device is Device.CPU,
         budget_bytes=args.budget_bytes,
-        case_timeout_s=args.case_timeout,
+        case_timeout_s=args.case_timeout or device.case_timeout_s,
         isolate_knob_cases=args.isolate_knob_cases,
         jobs=args.jobs,
         model_runner=args.model_runner,
