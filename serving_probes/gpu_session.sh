@@ -72,6 +72,10 @@ work)
     # The open row of run-12-04 (nemotron_h preempted under a tiny budget), again, KV kept.
     step nemotron-tiny-budget python3 -m conformance --device cuda --archetypes nemotron_h \
         --faults tiny-budget --no-controls --keep-kv --reports-dir $R/nemotron --run-id tiny-budget
+    # ... and native against native with the same small pool (the harness's self-test gives a native
+    # candidate the budget as its kv_cache_memory_bytes): does native, preempted, diverge too?
+    step nemotron-native-preempted python3 -m conformance --device cuda --candidate native \
+        --archetypes nemotron_h --faults tiny-budget --no-controls --reports-dir $R/nemotron --run-id native-preempted
     # A compile killed mid-write could leave a broken AOT artifact in vLLM's cache (a guess for
     # run-12-04's engine-test failures, after runs were killed): the tests compile afresh.
     rm -rf ~/.cache/vllm/torch_compile_cache
