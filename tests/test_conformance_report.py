@@ -564,3 +564,54 @@ def test_memory_plot_of_a_run_where_no_case_ran_a_step_draws_a_note_not_a_warnin
         memory_plot(tmp_path / "empty.png", {"reference": [("a", [])], "candidate": [("a", [])]}, "t")
         memory_plot(tmp_path / "one.png", {"reference": [("a", [0, 2 << 20])], "candidate": [("a", [0, 2 << 20])]}, "t")
     assert (tmp_path / "empty.png").stat().st_size > 0 and (tmp_path / "one.png").stat().st_size > 0
+
+
+# ---- a run cut short still renders (--render) -----------------------------------------------
+def test_a_groups_saved_comparisons_read_back_whole(tmp_path: Path) -> None:
+    from conformance.orchestrate.cli import Collected
+    from conformance.orchestrate.parity import Problem, ProblemKind
+
+    bad = _row(FAILING, passed=False, verdict="MISMATCH",
+               problems=[Problem(ProblemKind.NUMERIC, "token mismatch"), Problem(ProblemKind.CHECK, "a check")])
+    part = Collected(rows=[_row(PASSING), bad], per_case=[(_row(PASSING), _requests(_row(PASSING))), (bad, _requests(bad))],
+                     memory={"reference": [(PASSING.case_id, [0, 2 << 20])], "candidate": [(PASSING.case_id, [1])]})
+    part.save(tmp_path / "g.json")
+    back = Collected.load(tmp_path / "g.json")
+    assert back.rows == part.rows and back.memory == part.memory
+    assert [[q for q in reqs] for _, reqs in back.per_case] == [reqs for _, reqs in part.per_case]
+    assert [(p.kind, str(p)) for p in back.rows[1].problems] == [(ProblemKind.NUMERIC, "token mismatch"),
+                                                                  (ProblemKind.CHECK, "a check")]
+
+
+def _render(tmp_path: Path, saved: list[str]) -> tuple[int, str]:
+    """``--render`` of a two-group selection (llama, qwen3) whose run saved the groups in ``saved``."""
+    from conformance.orchestrate import cli
+
+    argv = ["--device", "cpu", "--archetypes", "llama,qwen3", "--schedulers", "sync", "--faults", "none",
+            "--patterns", "warm3", "--layouts", "inproc", "--no-controls", "--reports-dir", str(tmp_path)]
+    cases = cli.select_cases(cli.build_parser().parse_args(argv))
+    for label, group in cli.engine_groups(cases).items():
+        if label in saved:
+            rows = [_row(c) for c in group]
+            cli.Collected(rows=rows, per_case=[(r, _requests(r)) for r in rows]).save(
+                tmp_path / "r1" / cli.COMPARED / f"{label}.json")
+    code = cli.main([*argv, "--render", "r1"])
+    report = tmp_path / "r1" / "report.md"
+    return code, report.read_text() if report.is_file() else ""
+
+
+def test_render_reports_a_run_cut_short_and_names_the_groups_it_did_not_finish(tmp_path: Path) -> None:
+    code, md = _render(tmp_path, saved=["llama"])
+    assert code == 1
+    assert "qwen3: not compared: the run ended before this group did" in md
+    assert "llama-sync-pc-boundary-warm3-none" in md and "qwen3-sync-pc-boundary-warm3-none" not in md
+
+
+def test_render_of_a_whole_run_passes(tmp_path: Path) -> None:
+    code, md = _render(tmp_path, saved=["llama", "qwen3"])
+    assert code == 0 and "not compared" not in md and "qwen3-sync-pc-boundary-warm3-none" in md
+
+
+def test_render_without_saved_comparisons_is_refused(tmp_path: Path) -> None:
+    code, md = _render(tmp_path, saved=[])
+    assert code == 2 and md == ""

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import json
 import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from conformance import cases as C
@@ -143,6 +144,10 @@ def _add_run_settings(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompare", metavar="RUN_ID", default=None,
                    help="compare and report that run's raw results again, running no engine (after a comparator "
                         "or report change; the run must have used --keep-kv; select the same cases as it did)")
+    p.add_argument("--render", metavar="RUN_ID", default=None,
+                   help="report that run from the comparisons it saved as each engine group finished, running "
+                        "and comparing nothing (a run cut short: the groups it did not finish are listed as "
+                        "process issues; select the same cases as it did)")
     p.add_argument("--keep-kv", action="store_true", help="keep the raw KV snapshots (.npz) after comparing")
     p.add_argument("--case-timeout", type=float, default=None,
                    help="seconds allowed per case in a child (default: the device's, 150 on the CPU, 60 on CUDA)")
@@ -158,7 +163,7 @@ def select_cases(args: argparse.Namespace) -> list[C.Case]:
         matrix = C.quick_matrix() if args.quick else C.default_matrix()
     if args.no_controls:
         matrix = [c for c in matrix if not c.is_control]
-    if not args.archetypes:  # the default matrix leaves out what cannot run here, and says so
+    if not args.archetypes and not args.render:  # the default matrix leaves out what cannot run here, and says so
         skipped = {a.name: why for a in C.ARCHETYPES.values() if (why := C.unavailable_here(a))}
         for name, why in skipped.items():
             print(f"conformance: archetype {name} left out: {why}", file=sys.stderr)
@@ -169,7 +174,7 @@ def select_cases(args: argparse.Namespace) -> list[C.Case]:
 def _check_args(args: argparse.Namespace) -> str | None:
     if args.archetypes and (bad := set(args.archetypes) - set(C.ARCHETYPES)):
         return f"unknown archetype(s): {sorted(bad)}"
-    for name in args.archetypes or ():
+    for name in () if args.render else args.archetypes or ():  # rendering runs nothing
         if (why := C.unavailable_here(C.ARCHETYPES[name])) is not None:
             return f"archetype {name} cannot run here: {why}"
     if args.schedulers and (bad := set(args.schedulers) - {"sync", "async"}):
@@ -224,6 +229,10 @@ def _config(args: argparse.Namespace) -> RunConfig:
     )
 
 
+#: The run directory's folder of saved comparisons: one JSON per engine group (`Collected.save`).
+COMPARED = "compared"
+
+
 @dataclass
 class Collected:
     """Everything the report needs, gathered while the archetypes run."""
@@ -243,6 +252,24 @@ class Collected:
         by_case = {r.case_id: r for r in rows}
         self.rows = rows
         self.per_case = [(by_case[row.case_id], reqs) for row, reqs in self.per_case]
+
+    def save(self, path: Path) -> None:
+        """One engine group's comparisons, as JSON (`load` reads them back)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"rows": [r.to_json() for r in self.rows],
+               "requests": {row.case_id: [asdict(q) for q in reqs] for row, reqs in self.per_case},
+               "memory": self.memory}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, allow_nan=False))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> Collected:
+        doc = json.loads(path.read_text())
+        rows = [ParityRow.from_json(r) for r in doc["rows"]]
+        return cls(rows=rows,
+                   per_case=[(r, [RequestParity(**q) for q in doc["requests"][r.case_id]]) for r in rows],
+                   memory={side: [(cid, steps) for cid, steps in series] for side, series in doc["memory"].items()})
 
     def add(self, case: C.Case, row: ParityRow, reqs: list[RequestParity], ref: CaseResult, oth: CaseResult) -> None:
         self.rows.append(row)
@@ -284,6 +311,7 @@ def _run_matrix(cfg: RunConfig, cases: list[C.Case], progress: RunProgress,
             runner.run_archetype(label, group)
         part = Collected()
         _compare_archetype(runner, group, part, progress)
+        part.save(cfg.run_dir / COMPARED / f"{label}.json")  # a run cut short still renders (--render)
         return part
 
     # Groups share nothing but the device: with --jobs N, N of them run at once; the
@@ -341,12 +369,28 @@ def _write(args: argparse.Namespace, cfg: RunConfig, cases: list[C.Case], out: C
     if args.recompare:
         settings["recompared"] = (f"the raw results of run {args.recompare} compared again; no engine ran, so the "
                                   "wall time is the comparison's")
+    if args.render:
+        settings["rendered"] = (f"the comparisons run {args.render} saved as its groups finished; nothing ran or "
+                                "was compared again, so the wall time is the rendering's")
     env = report.environment(report.python_command(), settings, plugin_status)
     name = "KVCached" if args.candidate == "kvcached" else "Native candidate (harness self-test)"
     return report.write_report(
         cfg.run_dir, args.reports_dir / "latest", out.rows, out.per_case, env, name,
         {c.case_id: c for c in cases}, out.memory, issues, wall,
     )  # fmt: skip
+
+
+def _rendered(run_dir: Path, cases: list[C.Case]) -> tuple[Collected, list[str]]:
+    """A run's saved comparisons (`Collected.save`), in the matrix's group order, and the groups it
+    did not finish, as process issues."""
+    out, missing = Collected(), []
+    for label in engine_groups(cases):
+        path = run_dir / COMPARED / f"{label}.json"
+        if path.is_file():
+            out.merge(Collected.load(path))
+        else:
+            missing.append(f"{label}: not compared: the run ended before this group did")
+    return out, missing
 
 
 def _not_recomparable(run_dir: Path) -> str | None:
@@ -374,22 +418,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if (plugin_status := _plugin_status(args.candidate)) is None:
         return 2
-    if args.recompare:
-        args.run_id = args.recompare
+    if args.recompare and args.render:
+        print("conformance: --recompare and --render: one or the other", file=sys.stderr)
+        return 2
+    args.run_id = args.recompare or args.render or args.run_id
     cfg, t0 = _config(args), time.monotonic()
     if args.recompare and (why := _not_recomparable(cfg.run_dir)):
         print(f"conformance: --recompare {args.recompare}: {why}", file=sys.stderr)
         return 2
-    n_ctrl = sum(c.is_control for c in cases)
-    with RunProgress(planned_runs(cases), "conformance") as progress:
-        progress.log(f"[conformance] run {cfg.run_dir.name}: {len(cases) - n_ctrl} cases + {n_ctrl} controls, "
-                     f"candidate={args.candidate}; results under {cfg.run_dir}")
-        runner, out = _run_matrix(cfg, cases, progress, run_engines=not args.recompare)
+    if args.render:
+        if not (cfg.run_dir / COMPARED).is_dir():
+            print(f"conformance: --render {args.render}: no saved comparisons under {cfg.run_dir / COMPARED}",
+                  file=sys.stderr)
+            return 2
+        out, issues = _rendered(cfg.run_dir, cases)
+    else:
+        n_ctrl = sum(c.is_control for c in cases)
+        with RunProgress(planned_runs(cases), "conformance") as progress:
+            progress.log(f"[conformance] run {cfg.run_dir.name}: {len(cases) - n_ctrl} cases + {n_ctrl} controls, "
+                         f"candidate={args.candidate}; results under {cfg.run_dir}")
+            runner, out = _run_matrix(cfg, cases, progress, run_engines=not args.recompare)
+        if not args.keep_kv:
+            for npz in runner.raw.rglob("*.npz"):
+                npz.unlink()
+        issues = process_issues(runner.children)
     out.rejudged(judge_against_native_floor(out.rows, {c.case_id: c for c in cases}))
-    if not args.keep_kv:
-        for npz in runner.raw.rglob("*.npz"):
-            npz.unlink()
-    issues = process_issues(runner.children)
     wall = time.monotonic() - t0
     md = _write(args, cfg, cases, out, issues, plugin_status, wall)
     failed = [r for r in out.rows if not r.passed and not r.native_error]

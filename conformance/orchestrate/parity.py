@@ -151,6 +151,14 @@ class ParityRow:
         d["explanations"] = "; ".join(self.explanations)
         return d
 
+    def to_json(self) -> dict[str, Any]:
+        """Every field as JSON data; a problem keeps its kind (``[kind, text]``). `from_json` inverts it."""
+        return {**asdict(self), "problems": [[p.kind.value, str(p)] for p in self.problems]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ParityRow:
+        return cls(**{**data, "problems": [Problem(ProblemKind(kind), text) for kind, text in data["problems"]]})
+
 
 @dataclass(frozen=True)
 class RowIdentity:
