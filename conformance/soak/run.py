@@ -8,8 +8,9 @@ short random wait (vLLM aborts it mid-run). The KV cache (``kv_bytes``) holds fe
 than the clients ask for at once, so vLLM preempts.
 
 Phases: warm-up (a fifth of the time), idle (traffic paused, the prefix cache reset through
-vLLM's dev endpoint, the engine quiet): the *baseline*; then the rest of the traffic and the
-same idle point again: the *end*. Every second a sampler reads the server's process tree
+vLLM's dev endpoint, the engine quiet): the *baseline*; then the rest of the traffic (and on,
+at most another ``duration_s``, until vLLM's preemption counter has moved: slow clients on a busy
+machine may not fill the pool in time) and the same idle point again: the *end*. Every second a sampler reads the server's process tree
 (RSS, open descriptors, kvcached's memfds) and kvcached's mapped bytes (the engine's charge
 in its budget record). The soak holds when, at the end against the baseline: RSS outside
 vLLM's workers within 5% (the CPU worker grows on its own, native alike: `SoakResult.checks`),
@@ -38,7 +39,7 @@ import random
 import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -178,8 +179,8 @@ class Traffic:
             return Request(i, prefix + tail, r.randrange(8, 96), abort)
 
 
-def _client(server: Server, traffic: Traffic, until: float, result: SoakResult, lock: threading.Lock) -> None:
-    while time.monotonic() < until:
+def _client(server: Server, traffic: Traffic, stop: threading.Event, result: SoakResult, lock: threading.Lock) -> None:
+    while not stop.is_set():
         req = traffic.take()
         try:
             tokens = server.complete(req.prompt, req.max_tokens, timeout_s=req.abort_after_s or 300.0)
@@ -195,11 +196,25 @@ def _client(server: Server, traffic: Traffic, until: float, result: SoakResult, 
                 result.completed.append((req, tokens))
 
 
-def _traffic(server: Server, traffic: Traffic, seconds: float, result: SoakResult) -> None:
-    until, lock = time.monotonic() + seconds, threading.Lock()
+def _traffic(server: Server, traffic: Traffic, seconds: float, result: SoakResult,
+             until: Callable[[], bool] = lambda: True, extra_s: float = 0.0) -> None:
+    """The clients' traffic for ``seconds``, then on until ``until()`` holds (polled once a second),
+    at most ``extra_s`` longer: a phase that must see an event waits on the event, not on the
+    machine's speed. A client that fails ends the phase at once, with its error."""
+    stop, lock = threading.Event(), threading.Lock()
     with ThreadPoolExecutor(max_workers=traffic.plan.clients) as pool:
-        for f in [pool.submit(_client, server, traffic, until, result, lock) for _ in range(traffic.plan.clients)]:
-            f.result()
+        clients = [pool.submit(_client, server, traffic, stop, result, lock) for _ in range(traffic.plan.clients)]
+        t0 = time.monotonic()
+        try:
+            while not any(c.done() for c in clients):
+                elapsed = time.monotonic() - t0
+                if elapsed >= seconds + extra_s or (elapsed >= seconds and until()):
+                    break
+                time.sleep(min(1.0, seconds - elapsed) if elapsed < seconds else 1.0)
+        finally:
+            stop.set()
+        for c in clients:
+            c.result()
 
 
 # ---- observing ----------------------------------------------------------------------------------
@@ -296,7 +311,10 @@ def soaked_side(plan: SoakPlan, work: Path, result: SoakResult) -> None:
             _traffic(server, traffic, plan.duration_s / 5, result)
             result.warmup_end_s = round(time.monotonic() - t0, 2)
             result.baseline = _idle(server, record, t0)
-            _traffic(server, traffic, plan.duration_s * 4 / 5, result)
+            # Until vLLM has preempted too (its own counter), at most another duration: on a busy
+            # machine two minutes of slow clients once never filled the pool (CI under a CPU hog, 12-04).
+            _traffic(server, traffic, plan.duration_s * 4 / 5, result,
+                     until=lambda: _preemptions(server) > 0, extra_s=plan.duration_s)
             result.traffic_end_s = round(time.monotonic() - t0, 2)
             result.end = _idle(server, record, t0)
             result.preemptions = _preemptions(server)
