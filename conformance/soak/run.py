@@ -9,12 +9,12 @@ than the clients ask for at once, so vLLM preempts.
 
 Phases: warm-up (a fifth of the time), idle (traffic paused, the prefix cache reset through
 vLLM's dev endpoint, the engine quiet): the *baseline*; then the rest of the traffic (and on,
-at most another ``duration_s``, until vLLM's preemption counter has moved: slow clients on a busy
-machine may not fill the pool in time) and the same idle point again: the *end*. Every second a sampler reads the server's process tree
-(RSS, open descriptors, kvcached's memfds) and kvcached's mapped bytes (the engine's charge
-in its budget record). The soak holds when, at the end against the baseline: RSS outside
-vLLM's workers within 5% (the CPU worker grows on its own, native alike: `SoakResult.checks`),
-and mapped bytes, descriptors and memfds equal. Every request that completed is then sent
+at most another ``duration_s``, until vLLM's preemption counter has moved: slow clients on a
+busy machine may not fill the pool in time) and the same idle point again: the *end*. Every
+second a sampler reads the server's process tree (RSS, open descriptors, kvcached's memfds)
+and kvcached's mapped bytes (the engine's charge in its budget record). The soak holds when,
+at the end against the baseline: RSS outside vLLM's workers within 5% (the CPU worker grows
+on its own, native alike: `SoakResult.checks`), and mapped bytes, descriptors and memfds equal. Every request that completed is then sent
 to a native server, with the logprob margins of its greedy tokens.
 
 A differing token is *retried* on native: the request runs again ``retrials`` times, each
