@@ -81,10 +81,15 @@ work)
     rm -rf ~/.cache/vllm/torch_compile_cache
     step engine-tests python3 -m pytest -p no:xdist -q -rA --tb=short --basetemp=$R/pytest \
         tests/test_gpu_engine.py tests/test_vmm_cuda.py tests/test_gpu_serve.py
-    step conformance-v2 python3 -m conformance --device cuda --jobs 4 --model-runner vllm \
-        --archetypes llama,qwen3 --reports-dir $R/conformance-v2 --run-id h200-v2
-    step memory python3 -m serving_probes.gpu_memory --out $R/memory
-    step memory-v2 python3 -m serving_probes.gpu_memory --model-runner vllm --out $R/memory-v2
+    # Model Runner V2 as vLLM picks it: the group the last run could not compare (llama, multiprocess),
+    # then hybrids forced onto V2 (vLLM's default for them is V1): does native V2 serve them at all?
+    step conformance-v2 python3 -m conformance --device cuda --jobs 2 --model-runner vllm \
+        --archetypes llama --layouts mp --reports-dir $R/conformance-v2 --run-id h200-v2-mp
+    step conformance-v2-hybrid python3 -m conformance --device cuda --jobs 2 --model-runner v2 \
+        --archetypes nemotron_h,qwen3_next --faults none --layouts inproc --no-controls \
+        --reports-dir $R/conformance-v2 --run-id h200-v2-hybrid
+    # Last, as the lease allows: the serving benchmark writes serving.partial.json after every server.
+    step serving python3 benchmarks/bench_serving.py --device cuda --models 1b --rounds 5 --out $R/serving
     touch $R/DONE ;;
 serve)   # serve ARGS...: the serving benchmark, detached, then wait
     shift; rm -f $R/DONE
