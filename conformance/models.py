@@ -12,6 +12,11 @@ Invariants:
   ``spec.to_json()``; the directory is complete or absent (written to a temporary
   sibling, then renamed), so concurrent or interrupted writers never leave half a model.
 * Only this module imports transformers; callers pass plain data.
+* Generating a model never runs torch in the caller: ``_generate`` runs in a child
+  interpreter. GNU OpenMP is not fork-safe: once its thread pool has run, a fork of the process
+  (vLLM's EngineCore, started with ``fork``) hangs in its first parallel op. On the H200 every
+  multiprocess engine whose worker had just written its model hung there, in
+  ``gpu_input_batch.py``'s first ``torch.zeros`` (``reports/gpu/conformance/run-12-04``).
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -275,7 +283,7 @@ def ensure_model(spec: ModelSpec) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        _generate(spec, tmp)
+        _generate_apart(spec, tmp)
         (tmp / "conformance-spec.json").write_text(json.dumps(spec.to_json(), sort_keys=True, indent=1))
         try:
             tmp.rename(path)
@@ -287,6 +295,23 @@ def ensure_model(spec: ModelSpec) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp)
     return path
+
+
+class ModelGenerationError(RuntimeError):
+    """The child interpreter that generates a model failed; its stderr's tail says why."""
+
+
+def _generate_apart(spec: ModelSpec, out: Path) -> None:
+    """``_generate`` in a child interpreter, so the caller's OpenMP pool never starts (see the
+    module's invariants: a process that forks vLLM's EngineCore afterwards must not hang)."""
+    code = "import pickle, sys; from conformance.models import _generate; _generate(*pickle.load(sys.stdin.buffer))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((spec, out)), env=env,
+                          capture_output=True, check=False)
+    if proc.returncode != 0:
+        tail = proc.stderr.decode(errors="replace").strip().splitlines()[-12:]
+        raise ModelGenerationError(f"generating model {spec.name!r} into {out} failed (exit "
+                                   f"{proc.returncode}):\n" + "\n".join(tail))
 
 
 def _generate(spec: ModelSpec, out: Path) -> None:
