@@ -34,6 +34,8 @@ pack() {
 
 wait_work() {
     local end=$(( $(date +%s) + $1 ))
+    # A machine that went back between calls comes fresh: nothing to wait for.
+    [ -e $R/steps ] || { echo "no work on this machine ($R/steps missing): it is a fresh one"; return 1; }
     while [ $(date +%s) -lt $end ] && ! [ -e $R/DONE ]; do sleep 5; done
     echo "== steps"; cat $R/steps 2>/dev/null
     echo "== tail of the current step"; tail -n 25 "$(ls -t $R/*.log 2>/dev/null | head -1)" 2>/dev/null
@@ -57,9 +59,9 @@ install)
     python3 -m serving_probes.gpu_bundle install --bundle $STAGE --target $TARGET --repo . --groups core,moe
     rc=$?; echo "install rc=$rc $(( $(date +%s) - t0 ))s"; ls $SITE | head -50 | tr '\n' ' ' ;;
 start)
-    rm -rf $WORK $R; mkdir -p $R; cp -a . $WORK; rm -rf $WORK/.gpu/bundle
+    rm -rf $WORK $R; mkdir -p $R; : > $R/steps; cp -a . $WORK; rm -rf $WORK/.gpu/bundle
     cp -v $SITE/kvcached/_vmm*.so $WORK/kvcached/
-    setsid nohup bash $WORK/serving_probes/gpu_session.sh work > $R/session.out 2>&1 < /dev/null &
+    setsid nohup bash $WORK/serving_probes/gpu_session.sh ${WORKSTEPS:-work} > $R/session.out 2>&1 < /dev/null &
     sleep 2; wait_work "${2:-540}" ;;
 wait)
     wait_work "${2:-540}" ;;
@@ -90,6 +92,15 @@ work)
         --reports-dir $R/conformance-v2 --run-id h200-v2-hybrid
     # Last, as the lease allows: the serving benchmark writes serving.partial.json after every server.
     step serving python3 benchmarks/bench_serving.py --device cuda --models 1b --rounds 5 --out $R/serving
+    touch $R/DONE ;;
+short)   # what a short lease allows: the open nemotron_h row and the engine tests
+    export PYTHONPATH=$SITE:$WORK
+    step nemotron-tiny-budget python3 -m conformance --device cuda --archetypes nemotron_h \
+        --faults tiny-budget --no-controls --keep-kv --reports-dir $R/nemotron --run-id tiny-budget
+    step nemotron-native-preempted python3 -m conformance --device cuda --candidate native \
+        --archetypes nemotron_h --faults tiny-budget --no-controls --reports-dir $R/nemotron --run-id native-preempted
+    step engine-tests python3 -m pytest -p no:xdist -q -rA --tb=short --basetemp=$R/pytest \
+        tests/test_gpu_engine.py tests/test_gpu_serve.py
     touch $R/DONE ;;
 serve)   # serve ARGS...: the serving benchmark, detached, then wait
     shift; rm -f $R/DONE
