@@ -49,6 +49,9 @@ class Control(str, Enum):
     BASELINE = "native-baseline"  # native vs native: the noise floor, must be exact
     NEG_WEIGHTS = "neg-weights"  # other random weights: must be reported as a mismatch
     NEG_KV = "neg-kv-corrupt"  # one cached KV block corrupted between passes: must mismatch
+    #: Native with the candidate's pool (a physical-budget case's budget as its
+    #: kv_cache_memory_bytes): native's own floor where prefix hits change native's tokens.
+    EQUAL_POOL = "native-equal-pool"
 
     @property
     def expects_mismatch(self) -> bool:
@@ -292,7 +295,10 @@ class Case:
             raise ValueError("a partial-prefix-triggered plan needs the partial prefix pattern")
         if not self.prefix_caching and self.pattern is not PrefixPattern.WARM_THEN_ALL:
             raise ValueError("prefix patterns other than warm3 need prefix caching")
-        if self.control is not Control.NONE and not self.fault.is_none:
+        if self.control is Control.EQUAL_POOL:
+            if not self.fault.physical_budget or self.fault.rules:
+                raise ValueError("the equal-pool control runs a physical-budget plan, and no fault rules")
+        elif self.control is not Control.NONE and not self.fault.is_none:
             raise ValueError("controls run without fault plans")
 
     @property
@@ -552,7 +558,13 @@ def cuda_matrix(quick: bool = False) -> list[Case]:
               Case(nem, asyn, pattern=P.PARTIAL_COW, fault=COW_ADMISSION_X2, **users_default)]
     controls += [Case(llama, sync, control=Control.NEG_WEIGHTS), Case(llama, sync, attention=FA3,
                  control=Control.BASELINE), Case(nem, sync, control=Control.BASELINE),
-                 Case(nem, sync, control=Control.NEG_KV)]
+                 Case(nem, sync, control=Control.NEG_KV),
+                 # Its budget case's floor: on CUDA (Mamba cache mode "all") native's own tokens
+                 # depend on its prefix hits. Native at the budget's pool, a 32-token prefix
+                 # evicted, gave other tokens than native with 1 GiB, and exactly kvcached's on
+                 # all 36 requests (reports/gpu/conformance/run-12-04b).
+                 Case(nem, sync, lengths=LengthSet.EXTENDED, pattern=P.SHARED_CONCURRENT, fault=TINY_BUDGET,
+                      control=Control.EQUAL_POOL)]
     return cases + controls
 
 

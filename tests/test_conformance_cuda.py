@@ -164,6 +164,44 @@ def test_an_exact_floor_changes_nothing_and_other_baselines_must_stay_exact() ->
     assert floor.verdict == "exact" and not fails.passed
 
 
+NEM_BUDGET = C.Case(C.ARCHETYPES["nemotron_h"], lengths=C.LengthSet.EXTENDED,
+                    pattern=C.PrefixPattern.SHARED_CONCURRENT, fault=C.TINY_BUDGET, max_tokens=4)
+NEM_EQUAL_POOL = replace(NEM_BUDGET, control=C.Control.EQUAL_POOL)
+
+
+def test_native_at_the_candidates_pool_is_the_floor_of_its_budget_case() -> None:
+    """run-12-04b: native at the budget's pool differed from native with 1 GiB in one request,
+    exactly as kvcached did. The budget case passes within that floor, never as exact; one more
+    differing request fails it; an exact equal-pool run leaves the case to be exact itself."""
+    cases = {NEM_EQUAL_POOL.case_id: NEM_EQUAL_POOL, NEM_BUDGET.case_id: NEM_BUDGET}
+    floor, row = judge_against_native_floor([_differs(NEM_EQUAL_POOL, 1), _differs(NEM_BUDGET, 1)], cases)
+    assert floor.passed and floor.verdict == "native floor: 1 of 3 requests differ"
+    assert row.passed and row.verdict == "within native's floor (1 of 3 requests differ)"
+    _, beyond = judge_against_native_floor([_differs(NEM_EQUAL_POOL, 1), _differs(NEM_BUDGET, 2)], cases)
+    assert not beyond.passed and "beyond native's floor" in beyond.problems[-1]
+    floor, row = judge_against_native_floor([_row(NEM_EQUAL_POOL), _differs(NEM_BUDGET, 1)], cases)
+    assert floor.verdict == "exact" and not row.passed
+
+
+def test_the_equal_pool_control_runs_its_budget_and_native_gets_the_budgets_pool(tmp_path: Path) -> None:
+    from tests.test_conformance_knobs import PLAN
+
+    assert NEM_EQUAL_POOL.case_id.endswith("-tiny-budget-native-equal-pool")
+    with pytest.raises(ValueError, match="physical-budget plan"):
+        replace(NEM_BUDGET, fault=C.NO_FAULTS, control=C.Control.EQUAL_POOL)
+    with pytest.raises(ValueError, match="without fault plans"):
+        replace(NEM_BUDGET, control=C.Control.BASELINE)
+    knobs = _runner(tmp_path, "control", "native")._knobs(NEM_EQUAL_POOL, PLAN)
+    assert PLAN.budget is not None and knobs.kv_bytes == PLAN.budget.native_kv_cache_bytes
+    assert knobs.kvcached == {}
+    # The other controls keep every engine's pool.
+    base = _runner(tmp_path, "control", "native")._knobs(replace(NEM_BUDGET, fault=C.NO_FAULTS,
+                                                                 control=C.Control.BASELINE), PLAN)
+    assert base.kv_bytes == 1 << 26
+    matrix = {c.case_id for c in C.cuda_matrix()}
+    assert {NEM_EQUAL_POOL.case_id, NEM_BUDGET.case_id} <= matrix
+
+
 def test_packed_cuda_attention_blocks_span_kernel_blocks() -> None:
     torch = pytest.importorskip("torch")
     from conformance.engine.kvsnap import attention_block, split_packed_block

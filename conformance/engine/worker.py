@@ -196,7 +196,8 @@ class CaseRunner:
         """What this side changes for the case: fault plan file, budget, page size, kvcached's settings."""
         kn = _Knobs(kv_bytes=self.job.kv_cache_bytes, page_size=plan.page_size or self.job.page_size)
         kvcached = self.job.engine == "kvcached"
-        if self.job.side == "candidate" and not case.fault.is_none:
+        # The candidate's plan; a control has none but the equal-pool one's budget (`Control`).
+        if self.job.side in ("candidate", "control") and not case.fault.is_none:
             kn.fault_seam = "kvcached" if kvcached else "harness-emulated"
             if case.fault.rules:
                 kn.plan_path = write_plan(self.job.out_dir / f"{case.case_id}.plan.json", case.fault.rules)

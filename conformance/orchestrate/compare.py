@@ -572,6 +572,8 @@ def comparison_label(case: Case, other_engine: str) -> str:
         return f"{other_engine} vs native"
     if case.control is Control.BASELINE:
         return "native vs native (noise baseline)"
+    if case.control is Control.EQUAL_POOL:
+        return "native at the candidate's pool vs native"
     return f"negative control: {case.control.value}"
 
 
@@ -770,19 +772,22 @@ def judge_against_native_floor(rows: list[ParityRow], cases: dict[str, Case]) ->
 
     A baseline control runs a case again on native (native vs native). For a case on an
     attention backend whose native engine is known to be history-dependent
-    (`conformance.cases.NATIVE_FLOOR_BACKENDS`: FlashAttention 3 with prefix hits on CUDA), a
-    baseline that differs is not a harness failure but a measurement: it passes as the floor,
-    and every row of the same case is judged against it. Such a row passes when it differs from
-    native in no more requests than native differed from itself, and is never called exact.
-    Everywhere else a baseline must be exact (a differing one fails, as before).
+    (`conformance.cases.NATIVE_FLOOR_BACKENDS`: FlashAttention 3 with prefix hits on CUDA), and
+    for native at the candidate's pool (`Control.EQUAL_POOL`: a budget that evicts prefixes
+    native's own output depends on), a baseline that differs is not a harness failure but a
+    measurement: it passes as the floor, and every row of the same case is judged against it.
+    Such a row passes when it differs from native in no more requests than native differed from
+    itself, and is never called exact. Everywhere else a baseline must be exact (a differing
+    one fails, as before).
 
     Returns the rows, those re-judged replaced by new rows (the given ones are left as they are).
     """
     out = list(rows)
     for i, floor in enumerate(rows):
         case = cases[floor.case_id]
-        if (case.control is not Control.BASELINE or case.attention not in NATIVE_FLOOR_BACKENDS
-                or floor.verdict == "exact" or any(not _numeric(p) for p in floor.problems)):
+        measures_floor = case.control is Control.EQUAL_POOL or (
+            case.control is Control.BASELINE and case.attention in NATIVE_FLOOR_BACKENDS)
+        if not measures_floor or floor.verdict == "exact" or any(not _numeric(p) for p in floor.problems):
             continue
         out[i] = floor = replace(
             floor, problems=[], passed=True, explanations=floor.explanations + [f"native floor: {p}" for p in floor.problems],

@@ -113,6 +113,8 @@ def _who_and_match(r: ParityRow, candidate_name: str) -> tuple[str, str]:
         return candidate_name, "Native error (nothing to compare)"
     if r.control == "native-baseline":
         return "Native vs native baseline", "Exact" if r.passed else f"Mismatch ({r.exact_matches}/{r.requests} exact)"
+    if r.control == "native-equal-pool":
+        return "Native at the candidate's pool", "Exact" if r.exact_matches == r.requests else r.verdict
     if r.control != "none":
         return f"Negative control ({r.control})", "Mismatch detected (expected)" if r.passed else "NOT DETECTED"
     if r.engine_error:  # a plan that fails inside execute_model (fault site copy)
