@@ -492,7 +492,10 @@ def _method(doc: dict[str, Any]) -> str:
 def build(doc: dict[str, Any]) -> Report:
     """The report as data, from the saved run (``serving.json``)."""
     run = (f"{doc['elapsed_s']:.0f} s; 1-minute load average before/after: {doc['load_before']:.2f} / "
-           f"{doc['load_after']:.2f}.")
+           f"{doc['load_after']:.2f}." if doc.get("elapsed_s") is not None else "")
+    if "rounds_planned" in doc:
+        run = (f"Cut short: {doc['rounds']} of the {doc['rounds_planned']} planned rounds finished on both sides "
+               "(rendered from serving.partial.json). " + run).strip()
     body = [Section("Method", (Paragraph(_method(doc)), Paragraph(run)))]
     verdicts = []
     for name, model in doc["models"].items():
@@ -551,6 +554,29 @@ def report(sess: Session, meta: dict[str, Any], models: Sequence[BenchModel]) ->
             "servers": [asdict(s) for s in sess.servers], "runs": [asdict(r) for r in sess.runs]}
 
 
+def from_partial(doc: dict[str, Any]) -> tuple[Session, dict[str, Any], list[BenchModel]]:
+    """A run cut short (a GPU lease that ended), from its ``serving.partial.json``: the session of
+    the servers it finished, ready for `report`. Only rounds both sides finished are compared
+    (`compare`); the report says how many of the planned rounds those are."""
+    setup = _setup(doc)
+    runs = [PhaseRun(r["model"], r["side"], r["round"],
+                     PhaseConfig(**{**r["phase"], "request_rate": float(r["phase"]["request_rate"])}),
+                     r["result"], r["calibration_only"]) for r in doc["runs"]]
+    if not runs:
+        raise SystemExit("serving.partial.json holds no finished phase: nothing to report")
+    names = list(dict.fromkeys(r.model for r in runs))
+    prompts = {m: next(r.phase.num_prompts for r in runs if r.model == m) for m in names}
+    phases = tuple(p for p in PHASE_ORDER if any(r.phase.name == p and not r.calibration_only for r in runs))
+    sess = Session(phases, prompts, Path(doc["work_dir"]), setup, runs, [ServerFacts(**f) for f in doc["servers"]])
+    for r in runs:  # as `serve_side` set them: from each model's first phase
+        sess.rates.setdefault(r.model, Rates(r.metric("request_throughput")))
+    done = min(len({r.round for r in runs if r.model == m and r.side == side}) for m in names
+               for side in ("native", "kvcached"))
+    meta = {k: v for k, v in doc.items() if k not in ("runs", "servers", "aborted")}
+    meta |= {"rounds": done, "rounds_planned": doc["rounds"], "elapsed_s": None, "load_after": None}
+    return sess, meta, [DEVICE_MODELS[setup.device][m] for m in names]
+
+
 def _jsonable(x: Any) -> Any:
     """Strict JSON: infinite rates as "inf", NaN as null."""
     if isinstance(x, float) and not math.isfinite(x):
@@ -583,10 +609,15 @@ def main() -> int:
     defaults = ", ".join(f"{m.name} {m.num_prompts}" for m in MODELS.values())
     ap.add_argument("--num-prompts", type=int, default=None, help=f"prompts per phase (default: {defaults})")
     ap.add_argument("--out", type=Path, default=None, help="(default: reports/bench; cuda: reports/gpu/serving)")
-    ap.add_argument("--render", action="store_true", help="render the report again from serving.json in --out")
+    ap.add_argument("--render", action="store_true", help="render the report again from serving.json in --out "
+                    "(a run cut short: from serving.partial.json, the rounds it finished)")
     args = ap.parse_args()
     args.out = args.out or ROOT / "reports" / ("bench" if args.device == "cpu" else "gpu/serving")
     if args.render:
+        if not (args.out / "serving.json").exists() and (args.out / "serving.partial.json").exists():
+            partial = json.loads((args.out / "serving.partial.json").read_text())
+            sess, meta, models = from_partial(partial)
+            _dump(args.out / "serving.json", report(sess, meta, models))
         doc = json.loads((args.out / "serving.json").read_text())
         if _setup(doc).device != "cpu":
             plot(doc, args.out / "serving.png")

@@ -91,3 +91,32 @@ def test_a_gpu_run_renders_its_report_and_plot(tmp_path: Path) -> None:
     text = bs.write_report(bs.build(doc), tmp_path, "serving").read_text()
     assert "serving.png" in text and "1b saturation output tok/s inconclusive" in text
     assert "Model Runner (from each server's log): V2." in text
+
+
+def test_a_run_cut_short_renders_the_rounds_both_sides_finished(tmp_path: Path) -> None:
+    """A lease that ends in round 3, after its native server: `--render` reports rounds 1-2 from
+    serving.partial.json (as `main` saves it after every server), and says it was cut short."""
+    import json
+
+    setup = bs.SETUPS["cuda"]
+    sess = bs.Session(("saturation", "rate"), {"1b": 8}, tmp_path, setup)
+    for rnd, sides in ((1, ("native", "kvcached")), (2, ("kvcached", "native")), (3, ("native",))):
+        for side in sides:
+            for phase in ("saturation", "rate"):
+                config = bs.phase_config(phase, bs.Rates(4.0), 8, setup.saturation_concurrency)
+                sess.runs.append(bs.PhaseRun("1b", side, rnd, config, _result(1.0 if side == "native" else 0.95)))
+            sess.servers.append(_facts("1b", side, "V2"))
+    meta = {"environment": {"command": "test"}, "rounds": 5, "setup": bs.asdict(setup), "load_before": 0.0,
+            "targets": setup.targets, "work_dir": str(tmp_path)}
+    partial = {**meta, "aborted": True, "runs": [bs.asdict(r) for r in sess.runs],
+               "servers": [bs.asdict(f) for f in sess.servers]}
+    (tmp_path / "serving.partial.json").write_text(json.dumps(bs._jsonable(partial)))
+    again, meta2, models = bs.from_partial(json.loads((tmp_path / "serving.partial.json").read_text()))
+    assert [m.name for m in models] == ["1b"] and again.phases == ("saturation", "rate")
+    doc = json.loads(json.dumps(bs._jsonable(bs.report(again, meta2, models))))
+    throughput = next(c for c in doc["comparisons"]["1b"]["saturation"] if c["metric"] == "output_throughput")
+    assert throughput["rounds"] == [1, 2] and throughput["median_ratio"] == pytest.approx(0.95)
+    text = bs.write_report(bs.build(doc), tmp_path, "serving").read_text()
+    assert "Cut short: 2 of the 5 planned rounds finished on both sides" in text
+    with pytest.raises(SystemExit, match="no finished phase"):
+        bs.from_partial({**partial, "runs": []})
