@@ -9,9 +9,12 @@
 #   2. stage                      (carrying core.part02 and manifest.json)
 #   3. stage && install && start 480   (carrying moe.part01)
 #   4. wait 480 ... until steps shows every step ended; then, time permitting, serve ARGS...
+# Issue each call the moment the last one returns: a machine idle for 30 s goes back, and the runs
+# on it with it (12-04, third session: one slow turn lost a whole-matrix run at 77 of 101).
 # Each call returns within its limit and leaves $OUT/gpu-out.txz.NN (15 MiB parts, KV snapshots
 # left out): cat them and untar. H200 timings (12-04): staging 10 s, install 56 s, the V1 matrix
-# 373 s alone; two harnesses at once hung four multiprocess engines at start-up.
+# 373 s alone. Multiprocess engines whose worker had just written its model hung at start-up
+# (GNU OpenMP and fork; models are written in a child interpreter since b372cb1).
 #
 #   stage              copy the bundle parts this call carried into $STAGE (persists while warm)
 #   install            verify + install the bundle into $TARGET, build kvcached there
@@ -68,16 +71,8 @@ wait)
 work)
     export PYTHONPATH=$SITE:$WORK
     nvidia-smi > $R/nvidia-smi-start.txt 2>&1
-    # One harness at a time: side by side (12-04, 11 engines starting together) four multiprocess
-    # engines hung at start-up.
+    # One harness at a time, so that no run's timings are another's.
     step conformance-v1 python3 -m conformance --device cuda --jobs 8 --reports-dir $R/conformance --run-id h200
-    # The open row of run-12-04 (nemotron_h preempted under a tiny budget), again, KV kept.
-    step nemotron-tiny-budget python3 -m conformance --device cuda --archetypes nemotron_h \
-        --faults tiny-budget --no-controls --keep-kv --reports-dir $R/nemotron --run-id tiny-budget
-    # ... and native against native with the same small pool (the harness's self-test gives a native
-    # candidate the budget as its kv_cache_memory_bytes): does native, preempted, diverge too?
-    step nemotron-native-preempted python3 -m conformance --device cuda --candidate native \
-        --archetypes nemotron_h --faults tiny-budget --no-controls --reports-dir $R/nemotron --run-id native-preempted
     # A compile killed mid-write could leave a broken AOT artifact in vLLM's cache (a guess for
     # run-12-04's engine-test failures, after runs were killed): the tests compile afresh.
     rm -rf ~/.cache/vllm/torch_compile_cache
@@ -93,12 +88,8 @@ work)
     # Last, as the lease allows: the serving benchmark writes serving.partial.json after every server.
     step serving python3 benchmarks/bench_serving.py --device cuda --models 1b --rounds 5 --out $R/serving
     touch $R/DONE ;;
-short)   # what a short lease allows: the open nemotron_h row and the engine tests
+short)   # what a short lease allows: the engine tests
     export PYTHONPATH=$SITE:$WORK
-    step nemotron-tiny-budget python3 -m conformance --device cuda --archetypes nemotron_h \
-        --faults tiny-budget --no-controls --keep-kv --reports-dir $R/nemotron --run-id tiny-budget
-    step nemotron-native-preempted python3 -m conformance --device cuda --candidate native \
-        --archetypes nemotron_h --faults tiny-budget --no-controls --reports-dir $R/nemotron --run-id native-preempted
     step engine-tests python3 -m pytest -p no:xdist -q -rA --tb=short --basetemp=$R/pytest \
         tests/test_gpu_engine.py tests/test_gpu_serve.py
     touch $R/DONE ;;
