@@ -67,6 +67,7 @@ from conformance.reporting import (
     version,
     write_report,
 )
+from kvcached.stats import parse_shutdown_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 INPUT_LEN, OUTPUT_LEN = 128, 32
@@ -233,6 +234,8 @@ class ServerFacts:
     active_line: str | None
     log_path: str
     runner: str = ""  # the model runner the server's log names: V2 ("Using V2 Model Runner") or V1
+    #: kvcached's pool counters over the server's life, from its shutdown line (`kvcached.stats`).
+    pool: dict[str, Any] | None = None
 
 
 @dataclass
@@ -369,8 +372,9 @@ def serve_side(sess: Session, model: BenchModel, tok_dir: Path, side: str, rnd: 
             sess.rates.setdefault(model.name, Rates(run.metric("request_throughput")))
             progress.advance(f"{model.name} r{rnd} {side} {name}: {run.metric('output_throughput'):.1f} tok/s, "
                              f"TTFT p95 {run.metric('p95_ttft_ms'):.0f} ms", seconds=time.monotonic() - t0)
+    pools = parse_shutdown_lines(server.log())
     sess.servers.append(ServerFacts(model.name, side, rnd, server.start_s, int(server.proc.returncode), active,
-                                    str(server.log_path), runner))
+                                    str(server.log_path), runner, pools[-1] if pools else None))
 
 
 def prepare_model(model: BenchModel) -> Path:
@@ -460,7 +464,24 @@ def _server_line(doc: dict[str, Any], model: str) -> str:
     runners = sorted({f["runner"] for f in servers if f.get("runner")})  # recorded from 12-04
     ran = f" Model Runner (from each server's log): {', '.join(runners)}." if runners else ""
     return (f"Server start (s): native {_spread(starts['native'], '{:.1f}')}, kvcached "
-            f"{_spread(starts['kvcached'], '{:.1f}')}. kvcached log: `{active}`{ran}")
+            f"{_spread(starts['kvcached'], '{:.1f}')}. kvcached log: `{active}`{ran}{_pool_line(servers)}")
+
+
+#: The pool counters a report shows per kvcached server (`kvcached.stats.PoolStats`).
+POOL_COUNTERS = (("blocking_maps", "pages mapped on the scheduler's path"), ("page_takes", "pages taken"),
+                 ("reserve_hits", "of them from the reserve"), ("maps", "maps in all"),
+                 ("rank_round_trips", "blocking rank round trips"), ("admission_misses", "admission misses"))
+
+
+def _pool_line(servers: Sequence[dict[str, Any]]) -> str:
+    """kvcached's pool over each server's life (its shutdown line): medians and spreads."""
+    pools = [f["pool"] for f in servers if f["side"] == "kvcached" and f.get("pool")]
+    if not pools:
+        return ""
+    shown = ", ".join(f"{label} {_spread([float(p[key]) for p in pools], '{:.0f}')}" for key, label in POOL_COUNTERS)
+    missing = sum(f["side"] == "kvcached" for f in servers) - len(pools)
+    gap = f" ({missing} server(s) logged none)" if missing else ""
+    return f" kvcached's pool over each server's life, {len(pools)} servers{gap}: {shown}."
 
 
 METHOD = (
@@ -596,6 +617,18 @@ def _load() -> float:
     return os.getloadavg()[0]
 
 
+def render(out: Path) -> Path:
+    """The report again from ``out``'s serving.json (first made from serving.partial.json when
+    a run was cut short before it wrote one)."""
+    if not (out / "serving.json").exists() and (out / "serving.partial.json").exists():
+        sess, meta, models = from_partial(json.loads((out / "serving.partial.json").read_text()))
+        _dump(out / "serving.json", report(sess, meta, models))
+    doc = json.loads((out / "serving.json").read_text())
+    if _setup(doc).device != "cpu":
+        plot(doc, out / "serving.png")
+    return write_report(build(doc), out, "serving")
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--client":
         return client_main(sys.argv[2:])
@@ -614,14 +647,7 @@ def main() -> int:
     args = ap.parse_args()
     args.out = args.out or ROOT / "reports" / ("bench" if args.device == "cpu" else "gpu/serving")
     if args.render:
-        if not (args.out / "serving.json").exists() and (args.out / "serving.partial.json").exists():
-            partial = json.loads((args.out / "serving.partial.json").read_text())
-            sess, meta, models = from_partial(partial)
-            _dump(args.out / "serving.json", report(sess, meta, models))
-        doc = json.loads((args.out / "serving.json").read_text())
-        if _setup(doc).device != "cpu":
-            plot(doc, args.out / "serving.png")
-        print(write_report(build(doc), args.out, "serving"))
+        print(render(args.out))
         return 0
     setup, known = SETUPS[args.device], DEVICE_MODELS[args.device]
     names = (args.models or ",".join(known)).split(",")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import json
+import re
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Protocol
 
@@ -109,3 +111,26 @@ def stats() -> dict[str, PoolStats]:
     with _lock:
         items = list(_sources.items())
     return {name: source.pool_stats() for name, source in items}
+
+
+#: What an engine logs when its pool closes (`shutdown_line`), before the counters as JSON.
+SHUTDOWN_MARK = "kvcached: pool at shutdown: "
+
+
+def shutdown_line(s: PoolStats) -> str:
+    """The pool's whole snapshot as one log line at engine shutdown: a server's lifetime figures
+    (driver work on the scheduler's path, refills sent ahead, rank round trips) for whoever reads
+    its log afterwards (`parse_shutdown_lines`)."""
+    return SHUTDOWN_MARK + json.dumps(asdict(s), sort_keys=True, default=str)
+
+
+def parse_shutdown_lines(log: str) -> list[dict[str, object]]:
+    """Every `shutdown_line` in ``log`` (one per pool that closed), as dictionaries; malformed
+    JSON after the mark raises ``ValueError`` naming the line."""
+    out = []
+    for m in re.finditer(re.escape(SHUTDOWN_MARK) + r"(\{.*\})", log):
+        try:
+            out.append(json.loads(m.group(1)))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"unreadable kvcached shutdown line: {m.group(0)[:200]!r}") from exc
+    return out

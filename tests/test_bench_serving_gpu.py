@@ -120,3 +120,20 @@ def test_a_run_cut_short_renders_the_rounds_both_sides_finished(tmp_path: Path) 
     assert "Cut short: 2 of the 5 planned rounds finished on both sides" in text
     with pytest.raises(SystemExit, match="no finished phase"):
         bs.from_partial({**partial, "runs": []})
+
+
+def test_a_report_shows_kvcached_pool_counters_from_each_servers_shutdown_line() -> None:
+    from kvcached.stats import PoolStats, parse_shutdown_lines, shutdown_line
+
+    def pool(blocking: int) -> dict[str, object]:
+        snap = PoolStats(*range(12), page_takes=100, reserve_hits=100 - blocking, blocking_maps=blocking)
+        (parsed,) = parse_shutdown_lines(f"(EngineCore pid=1) INFO {shutdown_line(snap)}")
+        return parsed
+
+    servers = [bs.asdict(_facts("1b", "native", "V2"))]
+    servers += [{**bs.asdict(_facts("1b", "kvcached", "V2")), "pool": pool(b)} for b in (0, 2, 4)]
+    servers.append(bs.asdict(_facts("1b", "kvcached", "V2")))  # a server that logged no shutdown line
+    line = bs._server_line({"servers": servers}, "1b")
+    assert "kvcached's pool over each server's life, 3 servers (1 server(s) logged none)" in line
+    assert "pages mapped on the scheduler's path 2 (0-4)" in line and "pages taken 100 (100-100)" in line
+    assert bs._pool_line([bs.asdict(_facts("1b", "native", "V2"))]) == ""

@@ -29,6 +29,7 @@ from conformance.serving.server import (
     with_tokenizer,
 )
 from kvcached.budget import BudgetRecord
+from kvcached.stats import parse_shutdown_lines
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -61,6 +62,15 @@ def test_server_reports_kvcached_active_and_native_alone(served: dict[str, dict[
     # EngineDeadError traceback (native servers do too); no kvcached frame appears in any.
     assert "Traceback" not in log.split("[shutdown]")[0]
     assert "/kvcached/" not in log
+
+
+def test_the_pool_logs_its_lifetime_counters_at_shutdown(served: dict[str, dict[str, object]]) -> None:
+    """SIGTERM stops the server; EngineCore's shutdown logs the pool's counters once (what the
+    serving benchmark reads per server); a native server logs none."""
+    (pool,) = parse_shutdown_lines(str(served["kvcached"]["log"]))
+    assert pool["page_takes"] > 0 and pool["maps"] > 0 and pool["health"] == "healthy", pool  # type: ignore[operator]
+    assert pool["reserve_hits"] <= pool["page_takes"]  # type: ignore[operator]
+    assert parse_shutdown_lines(str(served["native"]["log"])) == []
 
 
 def test_requests_one_at_a_time_give_native_tokens(served: dict[str, dict[str, object]]) -> None:

@@ -26,7 +26,8 @@ the EngineCore process, so a patch of it would miss the very engine being built.
     the prepared space, before the engine can schedule anything.
 
 ``EngineCore.shutdown``
-    Before vLLM's own (which stops the executor first), `disconnect` closes the pool: every
+    Before vLLM's own (which stops the executor first), `disconnect` logs the pool's lifetime
+    counters (`kvcached.stats.shutdown_line`) and closes the pool: every
     page is unmapped on every rank and every rank forgets its space. If the executor has
     already failed (a worker died), nothing can be unmapped remotely; the pool is closed
     locally and the ranks' memory went, or goes, with their processes.
@@ -52,6 +53,7 @@ from kvcached.config import engine_name as default_engine_name
 from kvcached.errors import IntegrationError, KvcachedError
 from kvcached.ranks import PageRequest, RankedPageSpace, RankLayout, RankReply, check_layouts
 from kvcached.space import KvSpace
+from kvcached.stats import shutdown_line
 
 # A child of vLLM's logger, so its handlers (and the server's log) carry kvcached's lines.
 _logger = logging.getLogger("vllm.kvcached")
@@ -325,6 +327,7 @@ def disconnect(core: Any) -> None:
         return
     executor = getattr(core, "model_executor", None)
     space = pool.arena.space.page_space()
+    _logger.info("%s", shutdown_line(pool.ledger.pool_stats()))
     try:
         if executor is None or getattr(executor, "is_failed", False):
             # A worker died: no rank can answer. The pool's books close here; each rank's
