@@ -85,6 +85,8 @@ work)
     step conformance-v2-hybrid python3 -m conformance --device cuda --jobs 2 --model-runner v2 \
         --archetypes nemotron_h,qwen3_next --faults none --layouts inproc --no-controls \
         --reports-dir $R/conformance-v2 --run-id h200-v2-hybrid
+    # Two vllm serve engines sharing one budget on the GPU, against native's static split.
+    step sharing python3 -m conformance.sharing --device cuda --quick --out $R/sharing
     # Last, as the lease allows: the serving benchmark writes serving.partial.json after every server.
     step serving python3 benchmarks/bench_serving.py --device cuda --models 1b --rounds 5 --out $R/serving
     touch $R/DONE ;;

@@ -233,10 +233,13 @@ def build(r: SharingResult, found: list[Check]) -> Report:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"{SharingPlan.quick().cycles} cycles, smaller bursts")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the CUDA models in bf16, compiled, GPU-sized bursts (SharingPlan.cuda)")
     parser.add_argument("--out", type=Path, default=Path("reports/sharing"))
     parser.add_argument("--render", type=Path, help="render the report of a saved result.json (no run)")
     args = parser.parse_args(argv)
-    plan = SharingPlan.quick() if args.quick else SharingPlan()
+    plan = (SharingPlan.cuda(args.quick) if args.device == "cuda"
+            else SharingPlan.quick() if args.quick else SharingPlan())
     if args.render:
         result = SharingResult.load(args.render)
     else:

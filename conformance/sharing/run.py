@@ -33,6 +33,10 @@ unexplained. The native servers' own concurrent bursts are compared too (reporte
 The native side is the user's alternative: the same total memory split statically, half
 per engine (``--kv-cache-memory-bytes``). Its bursts run too, and their durations are
 reported beside kvcached's. Traffic is bounded (request counts, every wait) and loopback only.
+
+On a GPU (``SharingPlan.cuda``, ``--device cuda``) the scenario is the same, GPU-sized: the CUDA
+models in bf16, compiled with CUDA graphs as users serve them, 2 MiB pages, and bursts of
+~2,600-token prompts that fill a 512 MiB budget by the same rule as on the CPU.
 """
 
 from __future__ import annotations
@@ -52,8 +56,7 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from conformance.cases import ARCHETYPES
-from conformance.models import FIRST_FREE_TOKEN, VOCAB_SIZE, ensure_model
+from conformance.models import FIRST_FREE_TOKEN, VOCAB_SIZE, ensure_model, model_spec
 from conformance.serving import retrial
 from conformance.serving.retrial import Difference
 from conformance.serving.server import (
@@ -87,10 +90,30 @@ class SharingPlan:
     max_reserve_pages: int = 4
     idle_timeout_s: float = 20.0
     retrials: int = 24  # native reruns of each difference (and of the planted one)
+    #: Where the engines run (`conformance.models.model_spec`: CUDA's models are bf16, with wider KV).
+    device: str = "cpu"
+    max_model_len: int = 1024
+    eager: bool = True  # CPU engines; on a GPU the servers compile, as users run them
+    server_args: tuple[str, ...] = ()
 
     @classmethod
     def quick(cls) -> SharingPlan:
         return cls(cycles=3, max_tokens=32, retrials=8)
+
+    @classmethod
+    def cuda(cls, quick: bool = False) -> SharingPlan:
+        """GPU-sized: one kv block of either CUDA model is 128 KiB (2 layers, K and V, 16 tokens,
+        8 heads of 128 bf16), so a burst of 16 requests of ~2,600 tokens needs some 330 MiB, 65%
+        of a 512 MiB budget, in 2 MiB pages (the driver's granularity). Each server may take a
+        tenth of the GPU besides its KV: vLLM checks that much is free as each one starts."""
+        return cls(budget_bytes=512 * MiB, page_size=2 * MiB, prompt_tokens=(2300, 2900),
+                   cycles=3 if quick else 10, retrials=8 if quick else 24, device="cuda", max_model_len=4096,
+                   eager=False, server_args=("--gpu-memory-utilization", "0.1"))
+
+    def server(self, label: str, arch: str, kvcached: bool, extra_env: tuple[tuple[str, str], ...] = ()) -> ServerSpec:
+        """One side's `vllm serve` on this plan's device."""
+        return ServerSpec(label, kvcached, extra_env=extra_env, extra_args=self.server_args,
+                          dtype=model_spec(arch, self.device).torch_dtype, eager=self.eager)
 
     def engine_env(self, name: str, record: Path) -> tuple[tuple[str, str], ...]:
         return (("KVCACHED_BUDGET_PATH", str(record)), ("KVCACHED_BUDGET_BYTES", str(self.budget_bytes)),
@@ -219,12 +242,13 @@ def kvctl(record: Path, *args: str) -> str:
 
 # ---- servers ------------------------------------------------------------------------------------
 @contextmanager
-def two_servers(specs: dict[str, tuple[ServerSpec, Path]], logs: Path, kv_bytes: int) -> Iterator[dict[str, Server]]:
+def two_servers(specs: dict[str, tuple[ServerSpec, Path]], logs: Path, kv_bytes: int,
+                max_model_len: int) -> Iterator[dict[str, Server]]:
     """Both servers (by engine label) launched at once, waited for, stopped (SIGTERM) at exit."""
     with ExitStack() as stack:
         servers = {}
         for label, (spec, model) in specs.items():
-            servers[label] = start_server(spec, model, logs, max_model_len=1024, kv_cache_bytes=kv_bytes)
+            servers[label] = start_server(spec, model, logs, max_model_len=max_model_len, kv_cache_bytes=kv_bytes)
             stack.callback(servers[label].stop)
         for server in servers.values():
             server.wait_healthy(300.0)
@@ -233,12 +257,13 @@ def two_servers(specs: dict[str, tuple[ServerSpec, Path]], logs: Path, kv_bytes:
 
 def native_servers(plan: SharingPlan, work: Path, suffix: str = "") -> AbstractContextManager[dict[str, Server]]:
     """`two_servers`, native, each with half the budget: the user's static split."""
-    specs = {label: (ServerSpec(f"native-{label}{suffix}", False), path) for label, path in models(work).items()}
-    return two_servers(specs, work / "logs", plan.budget_bytes // 2)
+    specs = {label: (plan.server(f"native-{label}{suffix}", arch, False), path)
+             for (label, arch), path in zip(ENGINES, models(plan, work).values(), strict=True)}
+    return two_servers(specs, work / "logs", plan.budget_bytes // 2, plan.max_model_len)
 
 
-def models(work: Path) -> dict[str, Path]:
-    return {label: with_tokenizer(ensure_model(ARCHETYPES[arch].model), work / f"model-{arch}")
+def models(plan: SharingPlan, work: Path) -> dict[str, Path]:
+    return {label: with_tokenizer(ensure_model(model_spec(arch, plan.device)), work / f"model-{arch}")
             for label, arch in ENGINES}
 
 
@@ -388,10 +413,10 @@ def shared_side(plan: SharingPlan, work: Path, reference: Reference,
     """The kvcached scenario (module docstring, steps 1-5) on two engines sharing a record."""
     record = work / "host.budget"
     names = {label: f"{label}-{arch}" for label, arch in ENGINES}
-    specs = {label: (ServerSpec(f"kvcached-{label}", True, extra_env=plan.engine_env(names[label], record)), path)
-             for label, path in models(work).items()}
+    specs = {label: (plan.server(f"kvcached-{label}", arch, True, plan.engine_env(names[label], record)), path)
+             for (label, arch), path in zip(ENGINES, models(plan, work).values(), strict=True)}
     # The virtual capacity: the budget itself (each engine could take all of it).
-    with two_servers(specs, work / "logs", plan.budget_bytes) as servers:
+    with two_servers(specs, work / "logs", plan.budget_bytes, plan.max_model_len) as servers:
         sampler = Sampler(record, names, plan.sample_hz, time.monotonic())
         sampler.start()
         stage = Stage(plan, servers, names, sampler, reference, result, record)
