@@ -35,7 +35,10 @@ with CUDA graphs and with the model runner vLLM picks (V2 for the dense model on
 eager and a Model Runner V1 configuration of the llama (`SETUPS`, `GPU_MODELS`): 1024 prompt / 256
 output tokens, saturation at 128 concurrent requests, kvcached at its default 2 MiB page, the same
 targets and rounds, and a plot of the ratios (``serving.png``). Each server's log must name the
-runner both sides ran.
+runner both sides ran. Where the time goes, read from each server's log: kvcached's pool counters
+over the server's life (its shutdown line: pages mapped on the scheduler's path, reserve hits,
+rank round trips), and, with vLLM's stat logger and ``--cudagraph-metrics`` on both sides, how many
+engine steps ran as a full or piecewise CUDA graph or fell back to eager.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -120,11 +124,14 @@ class Setup:
     page_size: int | None  # KVCACHED_PAGE_SIZE of the kvcached side; None: kvcached's default
     targets: dict[str, dict[str, float]]
     rounds: int  # the default
+    #: vLLM's stat logger and its ``--cudagraph-metrics`` on both sides: each server's log then
+    #: says how many steps ran as a full or piecewise CUDA graph, or eager (`graph_modes`).
+    graph_metrics: bool = False
 
 
 SETUPS = {
     "cpu": Setup("cpu", INPUT_LEN, OUTPUT_LEN, MAX_MODEL_LEN, SATURATION_CONCURRENCY, KVCACHED_PAGE_SIZE, TARGETS, 5),
-    "cuda": Setup("cuda", 1024, 256, 4096, 128, None, TARGETS, 5),
+    "cuda": Setup("cuda", 1024, 256, 4096, 128, None, TARGETS, 5, graph_metrics=True),
 }
 
 
@@ -236,6 +243,8 @@ class ServerFacts:
     runner: str = ""  # the model runner the server's log names: V2 ("Using V2 Model Runner") or V1
     #: kvcached's pool counters over the server's life, from its shutdown line (`kvcached.stats`).
     pool: dict[str, Any] | None = None
+    #: Engine steps per CUDA graph runtime mode over the server's life (`graph_modes`).
+    graph_modes: dict[str, int] | None = None
 
 
 @dataclass
@@ -307,6 +316,20 @@ def phase_config(name: str, rates: Rates | None, num_prompts: int,
     return PhaseConfig(name, rps, None, num_prompts, PHASE_SEEDS[name])
 
 
+#: A row of vLLM's CUDA graph table (``--cudagraph-metrics``, `CUDAGraphLogging`): unpadded tokens,
+#: padded tokens, paddings, runtime mode, count.
+_GRAPH_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*([A-Z_]+)\s*\|\s*(\d+)\s*\|\s*$", re.MULTILINE)
+
+
+def graph_modes(log: str) -> dict[str, int]:
+    """Engine steps per CUDA graph runtime mode (FULL, PIECEWISE, NONE: eager) summed over every
+    table vLLM's stat logger printed (each covers one logging interval)."""
+    out: dict[str, int] = {}
+    for m in _GRAPH_ROW.finditer(log):
+        out[m.group(4)] = out.get(m.group(4), 0) + int(m.group(5))
+    return out
+
+
 def check_active(model: str, side: str, log: str) -> str | None:
     """The kvcached line of a server log; raises when it contradicts the side."""
     from conformance.serving import ACTIVE_LINE, ServerError
@@ -353,7 +376,8 @@ def serve_side(sess: Session, model: BenchModel, tok_dir: Path, side: str, rnd: 
     setup = sess.setup
     extra = (("KVCACHED_PAGE_SIZE", str(setup.page_size)),) if side == "kvcached" and setup.page_size else ()
     spec = ServerSpec(side, side == "kvcached", extra_env=extra, dtype=model.spec.torch_dtype, eager=model.eager,
-                      model_runner=model.model_runner)
+                      model_runner=model.model_runner, log_stats=setup.graph_metrics,
+                      extra_args=("--cudagraph-metrics",) if setup.graph_metrics else ())
     out = sess.work / model.name / f"round{rnd}"
     out.mkdir(parents=True, exist_ok=True)
     wanted = [p for p in PHASE_ORDER if p in sess.phases or (p == "saturation" and model.name not in sess.rates)]
@@ -372,9 +396,11 @@ def serve_side(sess: Session, model: BenchModel, tok_dir: Path, side: str, rnd: 
             sess.rates.setdefault(model.name, Rates(run.metric("request_throughput")))
             progress.advance(f"{model.name} r{rnd} {side} {name}: {run.metric('output_throughput'):.1f} tok/s, "
                              f"TTFT p95 {run.metric('p95_ttft_ms'):.0f} ms", seconds=time.monotonic() - t0)
-    pools = parse_shutdown_lines(server.log())
+    log = server.log()
+    pools = parse_shutdown_lines(log)
     sess.servers.append(ServerFacts(model.name, side, rnd, server.start_s, int(server.proc.returncode), active,
-                                    str(server.log_path), runner, pools[-1] if pools else None))
+                                    str(server.log_path), runner, pools[-1] if pools else None,
+                                    graph_modes(log) if setup.graph_metrics else None))
 
 
 def prepare_model(model: BenchModel) -> Path:
@@ -464,7 +490,29 @@ def _server_line(doc: dict[str, Any], model: str) -> str:
     runners = sorted({f["runner"] for f in servers if f.get("runner")})  # recorded from 12-04
     ran = f" Model Runner (from each server's log): {', '.join(runners)}." if runners else ""
     return (f"Server start (s): native {_spread(starts['native'], '{:.1f}')}, kvcached "
-            f"{_spread(starts['kvcached'], '{:.1f}')}. kvcached log: `{active}`{ran}{_pool_line(servers)}")
+            f"{_spread(starts['kvcached'], '{:.1f}')}. kvcached log: `{active}`{ran}{_pool_line(servers)}"
+            f"{_graph_line(servers)}")
+
+
+def _graph_line(servers: Sequence[dict[str, Any]]) -> str:
+    """Per side, the share of engine steps in each CUDA graph mode over all its servers: a graph
+    that cannot be used falls back to eager (NONE), which would show here."""
+    parts = []
+    for side in ("native", "kvcached"):
+        total: dict[str, int] = {}
+        for f in servers:
+            for mode, n in (f.get("graph_modes") or {}).items() if f["side"] == side else ():
+                total[mode] = total.get(mode, 0) + n
+        steps = sum(total.values())
+        if steps:
+            shares = ", ".join(f"{mode} {100 * n / steps:.1f}%" for mode, n in sorted(total.items()))
+            parts.append(f"{side} {shares} of {steps} steps")
+    if parts:
+        return f" Steps by CUDA graph mode (vLLM's --cudagraph-metrics): {'; '.join(parts)}."
+    if any(f.get("graph_modes") is not None for f in servers):  # asked for, none logged
+        return (" vLLM's --cudagraph-metrics logged no step (0.26's Model Runner V2 records none: only V1's "
+                "runner builds its CUDAGraphStat).")
+    return ""
 
 
 #: The pool counters a report shows per kvcached server (`kvcached.stats.PoolStats`).
@@ -495,7 +543,7 @@ GPU_METHOD = (
     "{rounds} interleaved rounds (odd: native first, even: kvcached first), a fresh server per side and round. "
     "Client: `vllm bench serve`, random dataset {input_len} in / {output_len} out, --ignore-eos, temperature 0, "
     f"{NUM_WARMUPS} warm-ups per phase. Server: bf16, block 16, prefix caching, --max-model-len {{max_model_len}}, "
-    "seed 0, --kv-cache-memory-bytes as each model says; compiled (torch.compile and CUDA graphs) unless the "
+    "seed 0, --kv-cache-memory-bytes as each model says, vLLM's stat logger with --cudagraph-metrics; compiled (torch.compile and CUDA graphs) unless the "
     "model says eager; the model runner as each model says (vLLM's: VLLM_USE_V2_MODEL_RUNNER unset); kvcached at "
     "its default page. Each server's log names the runner it built; both sides of a model ran the same one. Values: "
     "median (min-max) over rounds; ratio = kvcached/native per round. Verdict: inconclusive when the ratio spread "

@@ -137,3 +137,31 @@ def test_a_report_shows_kvcached_pool_counters_from_each_servers_shutdown_line()
     assert "kvcached's pool over each server's life, 3 servers (1 server(s) logged none)" in line
     assert "pages mapped on the scheduler's path 2 (0-4)" in line and "pages taken 100 (100-100)" in line
     assert bs._pool_line([bs.asdict(_facts("1b", "native", "V2"))]) == ""
+
+
+GRAPH_TABLE = """(APIServer pid=1) INFO 12-04 13:02:48 [loggers.py:310] Engine 000: Avg prompt throughput: 1.0 tokens/s
+**CUDAGraph Config Settings:**
+
+- Mode: FULL_AND_PIECEWISE
+- Capture sizes: [1, 2, 4]
+
+**CUDAGraph Stats:**
+
+| Unpadded Tokens | Padded Tokens | Num Paddings | Runtime Mode | Count |
+|-----------------|---------------|--------------|--------------|-------|
+| 3               | 4             | 1            | FULL         | 30    |
+| 1024            | 1024          | 0            | NONE         | 2     |
+"""
+
+
+def test_graph_modes_are_summed_over_every_logged_table_and_reported_per_side() -> None:
+    log = GRAPH_TABLE + "INFO other\n" + GRAPH_TABLE.replace("| 30 ", "| 8  ")
+    assert bs.graph_modes(log) == {"FULL": 38, "NONE": 4}
+    assert bs.graph_modes("INFO no table here\n| a | b |\n") == {}
+    servers = [{**bs.asdict(_facts("1b", side, "V1")), "graph_modes": modes}
+               for side, modes in (("native", {"FULL": 98, "NONE": 2}), ("kvcached", {"FULL": 40, "NONE": 60}))]
+    line = bs._graph_line(servers)
+    assert "native FULL 98.0%, NONE 2.0% of 100 steps; kvcached FULL 40.0%, NONE 60.0% of 100 steps" in line
+    v2 = [{**bs.asdict(_facts("1b", "native", "V2")), "graph_modes": {}}]
+    assert "logged no step" in bs._graph_line(v2)
+    assert bs._graph_line([bs.asdict(_facts("1b", "native", "V2"))]) == ""  # a CPU run: not asked for
