@@ -258,12 +258,13 @@ def two_servers(specs: dict[str, tuple[ServerSpec, Path]], logs: Path, kv_bytes:
 def native_servers(plan: SharingPlan, work: Path, suffix: str = "") -> AbstractContextManager[dict[str, Server]]:
     """`two_servers`, native, each with half the budget: the user's static split."""
     specs = {label: (plan.server(f"native-{label}{suffix}", arch, False), path)
-             for (label, arch), path in zip(ENGINES, models(plan, work).values(), strict=True)}
+             for label, (arch, path) in models(plan, work).items()}
     return two_servers(specs, work / "logs", plan.budget_bytes // 2, plan.max_model_len)
 
 
-def models(plan: SharingPlan, work: Path) -> dict[str, Path]:
-    return {label: with_tokenizer(ensure_model(model_spec(arch, plan.device)), work / f"model-{arch}")
+def models(plan: SharingPlan, work: Path) -> dict[str, tuple[str, Path]]:
+    """Per engine label: its archetype, and its model on the plan's device with a tokenizer."""
+    return {label: (arch, with_tokenizer(ensure_model(model_spec(arch, plan.device)), work / f"model-{arch}"))
             for label, arch in ENGINES}
 
 
@@ -414,7 +415,7 @@ def shared_side(plan: SharingPlan, work: Path, reference: Reference,
     record = work / "host.budget"
     names = {label: f"{label}-{arch}" for label, arch in ENGINES}
     specs = {label: (plan.server(f"kvcached-{label}", arch, True, plan.engine_env(names[label], record)), path)
-             for (label, arch), path in zip(ENGINES, models(plan, work).values(), strict=True)}
+             for label, (arch, path) in models(plan, work).items()}
     # The virtual capacity: the budget itself (each engine could take all of it).
     with two_servers(specs, work / "logs", plan.budget_bytes, plan.max_model_len) as servers:
         sampler = Sampler(record, names, plan.sample_hz, time.monotonic())
