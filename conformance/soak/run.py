@@ -8,9 +8,9 @@ short random wait (vLLM aborts it mid-run). The KV cache (``kv_bytes``) holds fe
 than the clients ask for at once, so vLLM preempts.
 
 Phases: warm-up (a fifth of the time), idle (traffic paused, the prefix cache reset through
-vLLM's dev endpoint, the engine quiet): the *baseline*; then the rest of the traffic (and on,
-at most another ``duration_s``, until vLLM's preemption counter has moved: slow clients on a
-busy machine may not fill the pool in time) and the same idle point again: the *end*. Every
+vLLM's dev endpoint, the engine quiet): the *baseline*; then the rest of the traffic (and, if
+vLLM's preemption counter has not moved by then, a burst of `Traffic.pressure` that needs twice
+the pool: random traffic preempts only by chance) and the same idle point again: the *end*. Every
 second a sampler reads the server's process tree (RSS, open descriptors, kvcached's memfds)
 and kvcached's mapped bytes (the engine's charge in its budget record). The soak holds when,
 at the end against the baseline: RSS outside vLLM's workers within 5% (the CPU worker grows
@@ -39,7 +39,7 @@ import random
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -59,6 +59,7 @@ from conformance.serving.server import (
 )
 
 RSS_TOLERANCE = 0.05
+TOKEN_BYTES = 1024  # KV of one token of the tiny llama (2 layers, K and V, 2 heads of 32 float32)
 CANDIDATES = ("kvcached", "native")
 
 
@@ -68,7 +69,7 @@ class SoakPlan:
     clients: int = 8
     seed: int = 0
     abort_every: int = 5
-    kv_bytes: int = 1 << 20  # 64 blocks of the tiny llama (1 KiB a token): fewer than 8 clients ask for
+    kv_bytes: int = 1 << 20  # 64 blocks of the tiny llama (TOKEN_BYTES a token): fewer than 8 clients ask for
     max_model_len: int = 512
     page_size: int = 64 << 10
     candidate: str = "kvcached"  # the soaked server; "native" is the control
@@ -178,6 +179,19 @@ class Traffic:
             abort = r.uniform(0.05, 0.6) if r.randrange(self.plan.abort_every) == 0 else None
             return Request(i, prefix + tail, r.randrange(8, 96), abort)
 
+    def pressure(self) -> list[Request]:
+        """One request per client whose KV together is twice the pool, with fresh prompts (no
+        prefix hit), none aborted: sent at once, they cannot all run to the end unless vLLM
+        preempts, however fast or slow the server is."""
+        tokens = 2 * (self.plan.kv_bytes // TOKEN_BYTES) // self.plan.clients
+        with self._lock:
+            out = []
+            for _ in range(self.plan.clients):
+                prompt = [self._rng.randrange(FIRST_FREE_TOKEN, VOCAB_SIZE) for _ in range(tokens * 3 // 8)]
+                out.append(Request(self._next, prompt, tokens - len(prompt), None))
+                self._next += 1
+            return out
+
 
 def _client(server: Server, traffic: Traffic, stop: threading.Event, result: SoakResult, lock: threading.Lock) -> None:
     while not stop.is_set():
@@ -196,25 +210,33 @@ def _client(server: Server, traffic: Traffic, stop: threading.Event, result: Soa
                 result.completed.append((req, tokens))
 
 
-def _traffic(server: Server, traffic: Traffic, seconds: float, result: SoakResult,
-             until: Callable[[], bool] = lambda: True, extra_s: float = 0.0) -> None:
-    """The clients' traffic for ``seconds``, then on until ``until()`` holds (polled once a second),
-    at most ``extra_s`` longer: a phase that must see an event waits on the event, not on the
-    machine's speed. A client that fails ends the phase at once, with its error."""
+def _traffic(server: Server, traffic: Traffic, seconds: float, result: SoakResult) -> None:
+    """The clients' traffic for ``seconds``. A client that fails ends the phase at once, with its error."""
     stop, lock = threading.Event(), threading.Lock()
     with ThreadPoolExecutor(max_workers=traffic.plan.clients) as pool:
         clients = [pool.submit(_client, server, traffic, stop, result, lock) for _ in range(traffic.plan.clients)]
         t0 = time.monotonic()
         try:
-            while not any(c.done() for c in clients):
-                elapsed = time.monotonic() - t0
-                if elapsed >= seconds + extra_s or (elapsed >= seconds and until()):
-                    break
-                time.sleep(min(1.0, seconds - elapsed) if elapsed < seconds else 1.0)
+            while not any(c.done() for c in clients) and time.monotonic() - t0 < seconds:
+                time.sleep(min(1.0, max(0.0, seconds - (time.monotonic() - t0))))
         finally:
             stop.set()
         for c in clients:
             c.result()
+
+
+def _pressure(server: Server, traffic: Traffic, result: SoakResult) -> None:
+    """`Traffic.pressure`, all at once, each request kept like the clients' (`_client`)."""
+    def one(req: Request) -> None:
+        tokens = server.complete(req.prompt, req.max_tokens, timeout_s=600.0)
+        with lock:
+            result.sent += 1
+            result.completed.append((req, tokens))
+
+    lock = threading.Lock()
+    with ThreadPoolExecutor(max_workers=traffic.plan.clients) as pool:
+        for f in [pool.submit(one, req) for req in traffic.pressure()]:
+            f.result()
 
 
 # ---- observing ----------------------------------------------------------------------------------
@@ -311,10 +333,12 @@ def soaked_side(plan: SoakPlan, work: Path, result: SoakResult) -> None:
             _traffic(server, traffic, plan.duration_s / 5, result)
             result.warmup_end_s = round(time.monotonic() - t0, 2)
             result.baseline = _idle(server, record, t0)
-            # Until vLLM has preempted too (its own counter), at most another duration: on a busy
-            # machine two minutes of slow clients once never filled the pool (CI under a CPU hog, 12-04).
-            _traffic(server, traffic, plan.duration_s * 4 / 5, result,
-                     until=lambda: _preemptions(server) > 0, extra_s=plan.duration_s)
+            _traffic(server, traffic, plan.duration_s * 4 / 5, result)
+            # Random traffic preempts by chance (shared prefixes, aborts, how requests overlap):
+            # under a CPU hog 4 minutes of it once never did (12-04, twice). If vLLM's own counter
+            # has not moved, a burst that needs twice the pool makes it, whatever the speed.
+            if _preemptions(server) == 0:
+                _pressure(server, traffic, result)
             result.traffic_end_s = round(time.monotonic() - t0, 2)
             result.end = _idle(server, record, t0)
             result.preemptions = _preemptions(server)

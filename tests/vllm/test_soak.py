@@ -11,12 +11,19 @@ from pathlib import Path
 import pytest
 
 from conformance.serving.retrial import PLANTED_MARGIN
+from conformance.serving.server import serving
 from conformance.soak.run import (
+    TOKEN_BYTES,
     Difference,
     Request,
     Sample,
     SoakPlan,
     SoakResult,
+    Traffic,
+    _model,
+    _preemptions,
+    _pressure,
+    _soaked_spec,
     find_differences,
     plant,
     run,
@@ -129,3 +136,28 @@ def test_a_saved_soak_is_drawn_and_rendered_again(tmp_path: Path, candidate: str
     assert (tmp_path / "soak.png").stat().st_size > 10_000
     assert "## Notes\n\n**Why.** Because of this.\n\nAnd that.\n" in first
     assert render(tmp_path, tmp_path / "none.json").read_text() == first
+
+
+def test_the_pressure_burst_needs_twice_the_pool_with_fresh_prompts() -> None:
+    plan = SoakPlan()
+    traffic = Traffic(plan)
+    traffic.take()
+    burst = traffic.pressure()
+    assert len(burst) == plan.clients and [r.index for r in burst] == list(range(1, 1 + plan.clients))
+    assert sum(len(r.prompt) + r.max_tokens for r in burst) == 2 * plan.kv_bytes // TOKEN_BYTES
+    assert all(r.abort_after_s is None and len(r.prompt) + r.max_tokens <= plan.max_model_len for r in burst)
+    assert len({tuple(r.prompt[:8]) for r in burst}) == plan.clients  # no shared prefix to hit
+
+
+@pytest.mark.multiprocess  # one real server; every request bounded
+def test_the_pressure_burst_makes_vllm_preempt(tmp_path: Path) -> None:
+    """The soak's way to the preemption it checks when random traffic made none (a CPU hog
+    once slowed two minutes of it, then four, below any): the burst alone, on the real server."""
+    plan = SoakPlan(duration_s=0.0)
+    spec, _ = _soaked_spec(plan, tmp_path)
+    result = SoakResult(plan)
+    with serving(spec, _model(tmp_path), tmp_path / "logs", max_model_len=plan.max_model_len,
+                 kv_cache_bytes=plan.kv_bytes) as server:
+        _pressure(server, Traffic(plan), result)
+        assert _preemptions(server) > 0
+    assert len(result.completed) == plan.clients
