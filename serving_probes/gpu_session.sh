@@ -22,6 +22,7 @@
 #   wait SECS          wait up to SECS for `work`, then pack $R into $OUT
 #   work               (background) the runs, each step's log in $R
 #   serve ARGS         (after work) the serving benchmark, detached, then wait
+#   chunk SECS ARGS    part of the CUDA matrix (ARGS: --archetypes ...) in the foreground, then pack
 set -u
 STAGE=/tmp/kvc-stage; TARGET=/tmp/kvc; WORK=/tmp/kvc-repo; R=/tmp/gpu-out
 SITE=$TARGET/site
@@ -95,6 +96,15 @@ short)   # what a short lease allows: the engine tests
     step engine-tests python3 -m pytest -p no:xdist -q -rA --tb=short --basetemp=$R/pytest \
         tests/test_gpu_engine.py tests/test_gpu_serve.py
     touch $R/DONE ;;
+chunk)   # chunk SECS ARGS...: part of the CUDA matrix in the foreground, inside this call, then pack
+    # Every chunk writes into one run (h200), whose saved groups `--render h200` joins into one
+    # report; the results of a chunk come back with its own call, whatever becomes of the machine.
+    shift; secs=$1; shift
+    [ -d $WORK ] || { cp -a . $WORK; rm -rf $WORK/.gpu/bundle; cp $SITE/kvcached/_vmm*.so $WORK/kvcached/; }
+    mkdir -p $R; export PYTHONPATH=$SITE:$WORK
+    step conformance-$(date +%H%M%S) timeout -k 15 $secs python3 -m conformance --device cuda \
+        --reports-dir $R/conformance --run-id h200 "$@"
+    pkill -9 -f conformance.engine; sleep 1; cat $R/steps; pack ;;
 serve)   # serve ARGS...: the serving benchmark, detached, then wait
     shift; rm -f $R/DONE
     setsid nohup bash -c "export PYTHONPATH=$SITE:$WORK; source $WORK/serving_probes/gpu_session.sh fns; \

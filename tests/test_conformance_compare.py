@@ -105,6 +105,51 @@ def test_token_mismatch_fails_and_names_first_divergence(tmp_path: Path) -> None
     assert not reqs[0].logprobs_equal and not row.logprobs_equal
 
 
+def _no_kv(tmp_path: Path) -> tuple[Path, Path]:
+    """Empty KV snapshots: a case without prefix caching compares no block."""
+    return _kv_files(tmp_path, "r", {}), _kv_files(tmp_path, "o", {})
+
+
+def _flip(native_margin: float, *, same_schedule: bool) -> tuple[CaseResult, CaseResult]:
+    """Native chose token 3 at position 2 by `native_margin` over token 9; the candidate chose 9.
+    Every logprob on identical context shifts by 0.0156 (one bfloat16 spacing at 2-4): the
+    rounding that another batch shape gives, as measured on the H200 (run-12-04c, qwen3 mp graphs)."""
+    ref, oth = _result([[1, 2, 3, 4]]), _result([[1, 2, 9, 5]], engine="kvcached",
+                                                schedule=None if same_schedule else [[[0, 5]], [[0, 1]]])
+    shift = 0.015625
+    ref.requests[0].logprobs[2] = [(3, -2.5, 1), (9, -2.5 - native_margin, 2)]
+    oth.requests[0].logprobs[2] = [(9, -2.5 - native_margin + shift, 1), (3, -2.5 - shift, 2)]
+    oth.requests[0].logprobs[0] = [(t, lp + shift, r) for t, lp, r in ref.requests[0].logprobs[0]]
+    return ref, oth
+
+
+def test_a_near_tie_flipped_by_another_batch_shape_is_explained(tmp_path: Path) -> None:
+    """Native's margin within the shift the case measured: the outputs part there, and pass."""
+    row, reqs = compare_results(NOPC, *_flip(0.0, same_schedule=False), *_no_kv(tmp_path), True)
+    assert row.passed and row.verdict == "exact up to near-tie flips (batching)", row.problems
+    assert not reqs[0].exact and any("p1-00@2 (3 vs 9" in e for e in row.explanations), row.explanations
+
+
+@pytest.mark.parametrize(
+    ("margin", "same_schedule"),
+    [(0.25, False),  # negative control: an ordinary margin is no tie, whatever the schedule
+     (0.0, True)],  # the same schedule must give the same bits, ties included
+)
+def test_a_flip_is_a_mismatch_unless_a_tie_and_another_schedule(tmp_path: Path, margin: float,
+                                                                 same_schedule: bool) -> None:
+    row, _ = compare_results(NOPC, *_flip(margin, same_schedule=same_schedule), *_no_kv(tmp_path), True)
+    assert not row.passed and row.verdict == "MISMATCH"
+    assert any("token mismatch in 1 request(s), first p1-00@2" in p for p in row.problems), row.problems
+
+
+def test_a_flip_is_no_tie_where_the_shift_is_more_than_last_bits(tmp_path: Path) -> None:
+    """A shift of 0.5 (a wrong KV block, not rounding) explains no flip, even of an exact tie."""
+    ref, oth = _flip(0.0, same_schedule=False)
+    oth.requests[0].logprobs[0] = [(t, lp + 0.5, r) for t, lp, r in ref.requests[0].logprobs[0]]
+    row, _ = compare_results(NOPC, ref, oth, *_no_kv(tmp_path), True)
+    assert not row.passed and row.verdict == "MISMATCH"
+
+
 def test_a_missing_kv_snapshot_is_an_error_for_a_negative_control_only() -> None:
     """Verdicts decide by a problem's kind: a missing snapshot (MISSING) leaves a case's tokens
     judged (MISMATCH), but a negative control cannot have caught anything without it."""
