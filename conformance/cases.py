@@ -559,6 +559,10 @@ def cuda_matrix(quick: bool = False) -> list[Case]:
     controls += [Case(llama, sync, control=Control.NEG_WEIGHTS), Case(llama, sync, attention=FA3,
                  control=Control.BASELINE), Case(nem, sync, control=Control.BASELINE),
                  Case(nem, sync, control=Control.NEG_KV),
+                 # Its compiled async partial-prefix case was exact in one H200 run and, in the
+                 # next, kept every token but 2 of 65 KV blocks one bfloat16 step apart under
+                 # the same schedule (run-12-04c): native against itself says whose that is.
+                 Case(nem, asyn, pattern=P.PARTIAL_COW, compiled=True, control=Control.BASELINE),
                  # Its budget case's floor: on CUDA (Mamba cache mode "all") native's own tokens
                  # depend on its prefix hits. Native at the budget's pool, a 32-token prefix
                  # evicted, gave other tokens than native with 1 GiB, and exactly kvcached's on

@@ -615,3 +615,18 @@ def test_render_of_a_whole_run_passes(tmp_path: Path) -> None:
 def test_render_without_saved_comparisons_is_refused(tmp_path: Path) -> None:
     code, md = _render(tmp_path, saved=[])
     assert code == 2 and md == ""
+
+
+def test_render_keeps_the_environment_the_engines_ran_in(tmp_path: Path) -> None:
+    """A run on the GPU host rendered here: the report's facts are the host's, and it says
+    what rendered it (an environment of this machine would claim a CPU run)."""
+    import json
+
+    ran = {"command": "python3 -m conformance --device cuda", "date": "2026-12-04T17:05:37+00:00", "git": "d6232de",
+           "gpu": "NVIDIA H200, driver 580.159.04", "vllm": "0.26.0", "cpu_cores": "16"}
+    (tmp_path / "r1").mkdir()
+    (tmp_path / "r1" / "environment.json").write_text(json.dumps(ran))
+    code, md = _render(tmp_path, saved=["llama", "qwen3"])
+    env = json.loads((tmp_path / "r1" / "environment.json").read_text())
+    assert code == 0 and {k: env[k] for k in ran} == ran
+    assert "NVIDIA H200" in md and "rendered_by" in env and "nothing ran" in env["rendered"]

@@ -373,6 +373,12 @@ def _write(args: argparse.Namespace, cfg: RunConfig, cases: list[C.Case], out: C
         settings["rendered"] = (f"the comparisons run {args.render} saved as its groups finished; nothing ran or "
                                 "was compared again, so the wall time is the rendering's")
     env = report.environment(report.python_command(), settings, plugin_status)
+    saved = cfg.run_dir / "environment.json"
+    if (args.render or args.recompare) and saved.is_file():
+        # The engines ran elsewhere (the GPU host): the report keeps the environment they ran
+        # in, and says what rendered it here.
+        env = {**json.loads(saved.read_text()), **{k: v for k, v in settings.items() if k in ("rendered", "recompared")},
+               "rendered_by": f"{env['command']} ({env['date']}, git {env['git']}, {env['platform']})"}
     name = "KVCached" if args.candidate == "kvcached" else "Native candidate (harness self-test)"
     return report.write_report(
         cfg.run_dir, args.reports_dir / "latest", out.rows, out.per_case, env, name,
