@@ -7,10 +7,12 @@
 # carries at most 64 MiB (the tracked tree, ~7 MB, plus the parts named to travel), the calls are:
 #   1. stage                      (carrying .gpu/bundle/core.part01)
 #   2. stage                      (carrying core.part02 and manifest.json)
-#   3. stage && install && start 480   (carrying moe.part01)
-#   4. wait 480 ... until steps shows every step ended; then, time permitting, serve ARGS...
+#   3. stage && install && chunk 470 --jobs 8 --archetypes <hybrids>   (carrying moe.part01)
+#   4. chunk 520 --jobs 8 --archetypes llama,qwen3; then what the lease allows, in the foreground
 # Issue each call the moment the last one returns: a machine idle for 30 s goes back, and the runs
-# on it with it (12-04, third session: one slow turn lost a whole-matrix run at 77 of 101).
+# on it with it. Twice (12-04, third and fourth sessions) a machine went back between calls while
+# a whole-matrix run went on in the background (start/wait), losing it at 77 and 84 of ~100; the
+# machine that ran each part in the foreground of its own call (chunk) stayed through four calls.
 # Each call returns within its limit and leaves $OUT/gpu-out.txz.NN (15 MiB parts, KV snapshots
 # left out): cat them and untar. H200 timings (12-04): staging 10 s, install 56 s, the V1 matrix
 # 373 s alone. Multiprocess engines whose worker had just written its model hung at start-up
