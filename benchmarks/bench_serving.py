@@ -418,15 +418,28 @@ def run_all(sess: Session, models: Sequence[BenchModel], rounds: int,
     cut short (a GPU lease that ends) keeps the rounds it finished."""
     from conformance.progress import RunProgress
 
-    total = len(models) * rounds * 2 * len(sess.phases) + (0 if "saturation" in sess.phases else len(models))
+    left = [s for s in planned_servers(models, rounds) if s not in finished(sess)]
+    total = len(left) * len(sess.phases) + sum("saturation" not in sess.phases and m.name not in sess.rates
+                                               for m in models)
     with RunProgress(total, "bench serving") as progress:
         for model in models:
             tok_dir = prepare_model(model)
-            for rnd in range(1, rounds + 1):
-                sides = ("native", "kvcached") if rnd % 2 else ("kvcached", "native")
-                for side in sides:
+            for name, rnd, side in left:
+                if name == model.name:
                     serve_side(sess, model, tok_dir, side, rnd, progress)
                     checkpoint()
+
+
+def planned_servers(models: Sequence[BenchModel], rounds: int) -> list[tuple[str, int, str]]:
+    """(model, round, side) of every server a run starts, in its order: the sides interleaved
+    (odd rounds native first)."""
+    return [(m.name, rnd, side) for m in models for rnd in range(1, rounds + 1)
+            for side in (("native", "kvcached") if rnd % 2 else ("kvcached", "native"))]
+
+
+def finished(sess: Session) -> set[tuple[str, int, str]]:
+    """The servers a session finished (each writes its facts last, after all its phases)."""
+    return {(f.model, f.round, f.side) for f in sess.servers}
 
 
 # ---------------------------------------------------------------- analysis and report
@@ -565,6 +578,10 @@ def build(doc: dict[str, Any]) -> Report:
     if "rounds_planned" in doc:
         run = (f"Cut short: {doc['rounds']} of the {doc['rounds_planned']} planned rounds finished on both sides "
                "(rendered from serving.partial.json). " + run).strip()
+    if resumed := doc.get("resumed"):  # the time and loads above are the last part's
+        run = (f"Run in {len(resumed) + 1} parts (--resume, each on a fresh server set; parts began "
+               + ", ".join([doc["environment"].get("date", "?"), *(r.get("date", "?") for r in resumed)])
+               + "; the time and loads are the last part's). " + run).strip()
     body = [Section("Method", (Paragraph(_method(doc)), Paragraph(run)))]
     verdicts = []
     for name, model in doc["models"].items():
@@ -621,6 +638,28 @@ def report(sess: Session, meta: dict[str, Any], models: Sequence[BenchModel]) ->
                                         "kv_cache_bytes": m.kv_cache_bytes} for m in models},
             "rates": {k: asdict(v) for k, v in sess.rates.items()}, "comparisons": comparisons,
             "servers": [asdict(s) for s in sess.servers], "runs": [asdict(r) for r in sess.runs]}
+
+
+def resume(doc: dict[str, Any], plan: dict[str, Any], work: Path) -> tuple[Session, dict[str, Any]]:
+    """The session of a run cut short (its ``serving.partial.json``), to go on with: the servers it
+    finished are kept, and the phases of a server it did not finish are dropped (that server runs
+    again). ``plan`` (device, models, phases, prompts, rounds) must be the saved run's; a
+    difference is named and nothing runs. Returns the session and the run's metadata (the first
+    part's environment; each later part's goes under ``resumed``)."""
+    if "plan" not in doc:
+        raise SystemExit("--resume: serving.partial.json was saved before runs recorded their plan; run again")
+    if differ := [f"{k}: saved {doc['plan'][k]!r}, asked {v!r}" for k, v in plan.items() if doc["plan"].get(k) != v]:
+        raise SystemExit("--resume: not the run saved in serving.partial.json (" + "; ".join(differ) + ")")
+    facts = [ServerFacts(**f) for f in doc["servers"]]
+    done = {(f.model, f.round, f.side) for f in facts}
+    runs = [PhaseRun(r["model"], r["side"], r["round"],
+                     PhaseConfig(**{**r["phase"], "request_rate": float(r["phase"]["request_rate"])}),
+                     r["result"], r["calibration_only"]) for r in doc["runs"]
+            if (r["model"], r["round"], r["side"]) in done]
+    sess = Session(tuple(plan["phases"]), dict(plan["prompts"]), work, _setup(doc), runs, facts)
+    for r in runs:  # as `serve_side` set them: from each model's first phase
+        sess.rates.setdefault(r.model, Rates(r.metric("request_throughput")))
+    return sess, {k: v for k, v in doc.items() if k not in ("runs", "servers", "aborted")}
 
 
 def from_partial(doc: dict[str, Any]) -> tuple[Session, dict[str, Any], list[BenchModel]]:
@@ -692,6 +731,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="(default: reports/bench; cuda: reports/gpu/serving)")
     ap.add_argument("--render", action="store_true", help="render the report again from serving.json in --out "
                     "(a run cut short: from serving.partial.json, the rounds it finished)")
+    ap.add_argument("--resume", action="store_true", help="go on with the run cut short in --out "
+                    "(serving.partial.json; the same arguments): its finished servers are kept, the rest run")
     args = ap.parse_args()
     args.out = args.out or ROOT / "reports" / ("bench" if args.device == "cpu" else "gpu/serving")
     if args.render:
@@ -705,12 +746,23 @@ def main() -> int:
     models = [known[m] for m in names]
     phases = tuple(p for p in PHASE_ORDER if p in args.phases.split(","))
     prompts = {m.name: args.num_prompts or m.num_prompts for m in models}
-    sess = Session(phases, prompts, Path(tempfile.mkdtemp(prefix="bench-serving-")), setup)
-    print(f"server and client logs: {sess.work}", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-serving-"))
+    print(f"server and client logs: {work}", flush=True)
     environment = provenance(["python", "benchmarks/bench_serving.py", *sys.argv[1:]],
                              {"transformers": version("transformers")})
-    meta: dict[str, Any] = {"environment": environment.as_dict(), "rounds": rounds, "setup": asdict(setup),
-                            "load_before": _load(), "targets": setup.targets, "work_dir": str(sess.work)}
+    plan = {"device": args.device, "models": names, "phases": list(phases), "prompts": prompts, "rounds": rounds}
+    meta: dict[str, Any]
+    if args.resume:  # a GPU lease ends within minutes: a run goes on over several calls
+        partial = args.out / "serving.partial.json"
+        if not partial.is_file():
+            ap.error(f"--resume: no {partial}")
+        sess, meta = resume(json.loads(partial.read_text()), plan, work)
+        meta["resumed"] = [*meta.get("resumed", []), environment.as_dict()]
+        print(f"resuming: {len(sess.servers)} of {len(planned_servers(models, rounds))} servers done", flush=True)
+    else:
+        sess = Session(phases, prompts, work, setup)
+        meta = {"environment": environment.as_dict(), "rounds": rounds, "setup": asdict(setup), "plan": plan,
+                "load_before": _load(), "targets": setup.targets, "work_dir": str(work)}
     t0 = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
 

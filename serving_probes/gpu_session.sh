@@ -25,6 +25,10 @@
 #   work               (background) the runs, each step's log in $R
 #   serve ARGS         (after work) the serving benchmark, detached, then wait
 #   chunk SECS ARGS    part of the CUDA matrix (ARGS: --archetypes ...) in the foreground, then pack
+#   fg SECS NAME CMD   any run in the foreground, then pack; the serving benchmark goes on over calls:
+#                      fg 560 serving python3 benchmarks/bench_serving.py --device cuda --models 1b \
+#                          --rounds 5 --out $R/serving [--resume]   (--resume from the 2nd call on)
+# Leave a minute of the lease for the last call's files: with 43 s left (12-04) none came back.
 set -u
 STAGE=/tmp/kvc-stage; TARGET=/tmp/kvc; WORK=/tmp/kvc-repo; R=/tmp/gpu-out
 SITE=$TARGET/site
@@ -98,6 +102,12 @@ short)   # what a short lease allows: the engine tests
     step engine-tests python3 -m pytest -p no:xdist -q -rA --tb=short --basetemp=$R/pytest \
         tests/test_gpu_engine.py tests/test_gpu_serve.py
     touch $R/DONE ;;
+fg)      # fg SECS NAME CMD...: CMD in the foreground of this call (in $WORK, its log $R/NAME.log), then pack
+    shift; secs=$1; name=$2; shift 2
+    [ -d $WORK ] || { cp -a . $WORK; rm -rf $WORK/.gpu/bundle; cp $SITE/kvcached/_vmm*.so $WORK/kvcached/; }
+    mkdir -p $R; export PYTHONPATH=$SITE:$WORK
+    step $name timeout -k 15 $secs "$@"
+    pkill -9 -f conformance.engine; pkill -9 -f vllm.entrypoints; sleep 1; cat $R/steps; tail -n 15 $R/$name.log; pack ;;
 chunk)   # chunk SECS ARGS...: part of the CUDA matrix in the foreground, inside this call, then pack
     # Every chunk writes into one run (h200), whose saved groups `--render h200` joins into one
     # report; the results of a chunk come back with its own call, whatever becomes of the machine.

@@ -165,3 +165,44 @@ def test_graph_modes_are_summed_over_every_logged_table_and_reported_per_side() 
     v2 = [{**bs.asdict(_facts("1b", "native", "V2")), "graph_modes": {}}]
     assert "logged no step" in bs._graph_line(v2)
     assert bs._graph_line([bs.asdict(_facts("1b", "native", "V2"))]) == ""  # a CPU run: not asked for
+
+
+def _cut_short(tmp_path: Path, plan: dict[str, object]) -> dict[str, object]:
+    """serving.partial.json of a lease that ended in round 2's native server, mid-phase:
+    round 1 and round 2's kvcached finished, round 2's native ran its saturation phase only."""
+    import json
+
+    setup = bs.SETUPS["cuda"]
+    sess = bs.Session(("saturation", "rate"), {"1b": 8}, tmp_path, setup)
+    for rnd, side, phases in ((1, "native", 2), (1, "kvcached", 2), (2, "kvcached", 2), (2, "native", 1)):
+        for phase in ("saturation", "rate")[:phases]:
+            config = bs.phase_config(phase, bs.Rates(4.0), 8, setup.saturation_concurrency)
+            sess.runs.append(bs.PhaseRun("1b", side, rnd, config, _result(1.0)))
+        if phases == 2:
+            sess.servers.append(bs.ServerFacts("1b", side, rnd, 10.0, 0, None, "log", "V2"))
+    meta = {"environment": {"command": "test", "date": "d1"}, "rounds": 3, "setup": bs.asdict(setup), "plan": plan,
+            "load_before": 0.0, "targets": setup.targets, "work_dir": str(tmp_path)}
+    return json.loads(json.dumps(bs._jsonable({**meta, "aborted": True, "runs": [bs.asdict(r) for r in sess.runs],
+                                                "servers": [bs.asdict(f) for f in sess.servers]})))
+
+
+def test_a_run_cut_short_resumes_with_the_servers_it_lacks(tmp_path: Path) -> None:
+    """`--resume` keeps the finished servers, runs again the one cut mid-phase, then the rest,
+    in the planned order; another run's arguments are refused by name, and nothing runs."""
+    plan = {"device": "cuda", "models": ["1b"], "phases": ["saturation", "rate"], "prompts": {"1b": 8}, "rounds": 3}
+    models = [bs.GPU_MODELS["1b"]]
+    sess, meta = bs.resume(_cut_short(tmp_path, plan), plan, tmp_path)
+    assert [s for s in bs.planned_servers(models, 3) if s not in bs.finished(sess)] == [
+        ("1b", 2, "native"), ("1b", 3, "native"), ("1b", 3, "kvcached")]
+    assert len(sess.runs) == 6 and {r.round for r in sess.runs if r.side == "native"} == {1}  # the cut one's dropped
+    assert sess.rates["1b"] == bs.Rates(bs.PhaseRun("1b", "native", 1, sess.runs[0].phase, _result(1.0))
+                                        .metric("request_throughput"))
+    with pytest.raises(SystemExit, match=r"--resume: not the run saved .*rounds: saved 3, asked 5"):
+        bs.resume(_cut_short(tmp_path, plan), {**plan, "rounds": 5}, tmp_path)
+    old = _cut_short(tmp_path, plan)
+    del old["plan"]
+    with pytest.raises(SystemExit, match="saved before runs recorded their plan"):
+        bs.resume(old, plan, tmp_path)
+    doc = {"rounds": 3, "elapsed_s": 5.0, "load_before": 0.0, "load_after": 0.0, "environment": meta["environment"],
+           "resumed": [{"date": "d2"}], "setup": meta["setup"], "servers": [], "models": {}, "comparisons": {}}
+    assert "Run in 2 parts (--resume, each on a fresh server set; parts began d1, d2" in bs.build(doc).body[0].blocks[1].text
