@@ -128,6 +128,10 @@ def test_a_near_tie_flipped_by_another_batch_shape_is_explained(tmp_path: Path) 
     row, reqs = compare_results(NOPC, *_flip(0.0, same_schedule=False), *_no_kv(tmp_path), True)
     assert row.passed and row.verdict == "exact up to near-tie flips (batching)", row.problems
     assert not reqs[0].exact and any("p1-00@2 (3 vs 9" in e for e in row.explanations), row.explanations
+    from conformance.orchestrate.report.build import _who_and_match
+
+    # The summary table says how it passed, not "mismatch".
+    assert _who_and_match(row, "KVCached") == ("KVCached", "Exact up to near-tie flips (batching) (0/1 exact)")
 
 
 @pytest.mark.parametrize(

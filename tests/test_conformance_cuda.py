@@ -184,9 +184,10 @@ def test_native_at_the_candidates_pool_is_the_floor_of_its_budget_case() -> None
     # The report names the control for what it is, and its floor as measured.
     from conformance.orchestrate.report.build import _who_and_match
 
-    floor, _ = judge_against_native_floor([_differs(NEM_EQUAL_POOL, 1), _differs(NEM_BUDGET, 1)], cases)
+    floor, within = judge_against_native_floor([_differs(NEM_EQUAL_POOL, 1), _differs(NEM_BUDGET, 1)], cases)
     assert _who_and_match(floor, "kvcached") == ("Native at the candidate's pool", "native floor: 1 of 3 requests differ")
     assert _who_and_match(_row(NEM_EQUAL_POOL), "kvcached") == ("Native at the candidate's pool", "Exact")
+    assert _who_and_match(within, "kvcached") == ("kvcached", "Within native's floor (1 of 3 requests differ) (2/3 exact)")
 
 
 def test_the_equal_pool_control_runs_its_budget_and_native_gets_the_budgets_pool(tmp_path: Path) -> None:

@@ -126,6 +126,8 @@ def _who_and_match(r: ParityRow, candidate_name: str) -> tuple[str, str]:
         return candidate_name, f"Exact ({excluded} native history-dependent request(s) excluded)"
     if r.exact_matches == r.requests:
         return candidate_name, f"Exact tokens; {r.verdict}"
+    if r.passed:  # within native's floor, or near-tie flips: how it passed, not "mismatch"
+        return candidate_name, f"{r.verdict[:1].upper()}{r.verdict[1:]} ({r.exact_matches}/{r.requests} exact)"
     return candidate_name, f"Mismatch ({r.exact_matches}/{r.requests} exact)"
 
 
