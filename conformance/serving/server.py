@@ -37,7 +37,7 @@ from pathlib import Path
 
 from conformance.engine_env import ENGINE_ENV, with_model_runner, without_kvcached
 from conformance.models import FIRST_FREE_TOKEN, VOCAB_SIZE
-from conformance.procfs import descriptors
+from conformance.procfs import descriptors, reclaim_segments, shared_memory_segments
 
 ACTIVE_LINE = "kvcached: elastic KV cache active"
 SERVED_NAME = "tiny"
@@ -106,6 +106,8 @@ class Server:
     log_path: Path
     launched: float = 0.0  # time.monotonic() at launch
     start_s: float = 0.0  # seconds from launch to healthy
+    shm_before: set[str] = field(default_factory=set)  # shared-memory segments before launch
+    shm_reclaimed: list[str] = field(default_factory=list)  # those its processes left, unlinked by `stop`
 
     @property
     def url(self) -> str:
@@ -162,7 +164,11 @@ class Server:
         return doc["choices"][0]
 
     def stop(self, timeout_s: float = 60.0) -> int:
-        """SIGTERM (what a service manager sends), then SIGKILL if it does not exit in time."""
+        """SIGTERM (what a service manager sends), then SIGKILL if it does not exit in time.
+
+        Then the rest of its process group, and the shared-memory segments the group left
+        (vLLM's front end SIGKILLs EngineCore when stopped, so its message queues' segments,
+        hundreds of MiB of address each, would stay in /dev/shm after every server)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -170,7 +176,21 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+        self._end_group()
+        self.shm_reclaimed += reclaim_segments(self.shm_before)
         return int(self.proc.returncode)
+
+    def _end_group(self, timeout_s: float = 10.0) -> None:
+        """Wait for the server's process group to be gone; SIGKILL what is left after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL if time.monotonic() > deadline else 0)
+            except ProcessLookupError:
+                return
+            if time.monotonic() > deadline + 5:
+                return  # a process stuck in the kernel: nothing more a signal can do
+            time.sleep(0.1)
 
 
 def start_server(spec: ServerSpec, model_dir: Path, log_dir: Path, *, max_model_len: int = 1024,
@@ -184,10 +204,11 @@ def start_server(spec: ServerSpec, model_dir: Path, log_dir: Path, *, max_model_
            *(["--enforce-eager"] if spec.eager else []), "--seed", "0", "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_bytes),
            "--tensor-parallel-size", str(spec.tensor_parallel), *([] if spec.log_stats else ["--disable-log-stats"]),
            *spec.extra_args]
+    shm_before = shared_memory_segments()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_server_env(spec),
                                 start_new_session=True)
-    return Server(spec, port, proc, log_path, launched=time.monotonic())
+    return Server(spec, port, proc, log_path, launched=time.monotonic(), shm_before=shm_before)
 
 
 @contextmanager

@@ -100,9 +100,9 @@ def _side(spec: ServerSpec, model: Path, logs: Path, sig: signal.Signals, budget
     try:
         server.wait_healthy()
         result = _stop_mid_run(server, sig, budget_dir)
+        result["shm_left"] = sorted(_shm() - before)  # before `stop` reclaims what the server left
     finally:
         server.stop()
-    result["shm_left"] = sorted(_shm() - before)
     return result
 
 
