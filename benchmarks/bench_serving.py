@@ -640,6 +640,20 @@ def report(sess: Session, meta: dict[str, Any], models: Sequence[BenchModel]) ->
             "servers": [asdict(s) for s in sess.servers], "runs": [asdict(r) for r in sess.runs]}
 
 
+def _saved_runs(doc: dict[str, Any]) -> list[PhaseRun]:
+    """The phases a saved run (``serving.partial.json``) recorded, as `serve_side` made them."""
+    return [PhaseRun(r["model"], r["side"], r["round"],
+                     PhaseConfig(**{**r["phase"], "request_rate": float(r["phase"]["request_rate"])}),
+                     r["result"], r["calibration_only"]) for r in doc["runs"]]
+
+
+def _restore_runs(sess: Session, runs: list[PhaseRun]) -> None:
+    """Give ``sess`` saved phases, and each model's rates as `serve_side` set them: from its first phase."""
+    sess.runs += runs
+    for r in runs:
+        sess.rates.setdefault(r.model, Rates(r.metric("request_throughput")))
+
+
 def resume(doc: dict[str, Any], plan: dict[str, Any], work: Path) -> tuple[Session, dict[str, Any]]:
     """The session of a run cut short (its ``serving.partial.json``), to go on with: the servers it
     finished are kept, and the phases of a server it did not finish are dropped (that server runs
@@ -650,15 +664,10 @@ def resume(doc: dict[str, Any], plan: dict[str, Any], work: Path) -> tuple[Sessi
         raise SystemExit("--resume: serving.partial.json was saved before runs recorded their plan; run again")
     if differ := [f"{k}: saved {doc['plan'][k]!r}, asked {v!r}" for k, v in plan.items() if doc["plan"].get(k) != v]:
         raise SystemExit("--resume: not the run saved in serving.partial.json (" + "; ".join(differ) + ")")
-    facts = [ServerFacts(**f) for f in doc["servers"]]
-    done = {(f.model, f.round, f.side) for f in facts}
-    runs = [PhaseRun(r["model"], r["side"], r["round"],
-                     PhaseConfig(**{**r["phase"], "request_rate": float(r["phase"]["request_rate"])}),
-                     r["result"], r["calibration_only"]) for r in doc["runs"]
-            if (r["model"], r["round"], r["side"]) in done]
-    sess = Session(tuple(plan["phases"]), dict(plan["prompts"]), work, _setup(doc), runs, facts)
-    for r in runs:  # as `serve_side` set them: from each model's first phase
-        sess.rates.setdefault(r.model, Rates(r.metric("request_throughput")))
+    sess = Session(tuple(plan["phases"]), dict(plan["prompts"]), work, _setup(doc),
+                   servers=[ServerFacts(**f) for f in doc["servers"]])
+    done = finished(sess)
+    _restore_runs(sess, [r for r in _saved_runs(doc) if (r.model, r.round, r.side) in done])
     return sess, {k: v for k, v in doc.items() if k not in ("runs", "servers", "aborted")}
 
 
@@ -667,17 +676,14 @@ def from_partial(doc: dict[str, Any]) -> tuple[Session, dict[str, Any], list[Ben
     the servers it finished, ready for `report`. Only rounds both sides finished are compared
     (`compare`); the report says how many of the planned rounds those are."""
     setup = _setup(doc)
-    runs = [PhaseRun(r["model"], r["side"], r["round"],
-                     PhaseConfig(**{**r["phase"], "request_rate": float(r["phase"]["request_rate"])}),
-                     r["result"], r["calibration_only"]) for r in doc["runs"]]
+    runs = _saved_runs(doc)
     if not runs:
         raise SystemExit("serving.partial.json holds no finished phase: nothing to report")
     names = list(dict.fromkeys(r.model for r in runs))
     prompts = {m: next(r.phase.num_prompts for r in runs if r.model == m) for m in names}
     phases = tuple(p for p in PHASE_ORDER if any(r.phase.name == p and not r.calibration_only for r in runs))
-    sess = Session(phases, prompts, Path(doc["work_dir"]), setup, runs, [ServerFacts(**f) for f in doc["servers"]])
-    for r in runs:  # as `serve_side` set them: from each model's first phase
-        sess.rates.setdefault(r.model, Rates(r.metric("request_throughput")))
+    sess = Session(phases, prompts, Path(doc["work_dir"]), setup, servers=[ServerFacts(**f) for f in doc["servers"]])
+    _restore_runs(sess, runs)
     done = min(len({r.round for r in runs if r.model == m and r.side == side}) for m in names
                for side in ("native", "kvcached"))
     meta = {k: v for k, v in doc.items() if k not in ("runs", "servers", "aborted")}
