@@ -164,6 +164,27 @@ def test_an_exact_floor_changes_nothing_and_other_baselines_must_stay_exact() ->
     assert floor.verdict == "exact" and not fails.passed
 
 
+NEM_GRAPHS = C.Case(C.ARCHETYPES["nemotron_h"], C.Scheduling.ASYNC, pattern=C.PrefixPattern.PARTIAL_COW, compiled=True)
+NEM_GRAPHS_BASELINE = replace(NEM_GRAPHS, control=C.Control.BASELINE)
+
+
+def test_a_case_native_did_not_repeat_is_judged_against_its_baseline() -> None:
+    """run-12-04d: native against itself kept every token of nemotron_h's compiled async
+    partial-prefix case but 2 KV blocks one bfloat16 step apart. That baseline is the case's
+    floor; the same case on another hybrid, and nemotron_h's other baselines, stay exact."""
+    assert NEM_GRAPHS.case_id in C.NATIVE_FLOOR_CASES and C.measures_native_floor(NEM_GRAPHS_BASELINE)
+    assert not C.measures_native_floor(NEM_GRAPHS)  # the case itself is judged, it measures nothing
+    kv = Problem(ProblemKind.NUMERIC, "same schedule but KV differs (max |Δ| 0.0156)")
+    floor = _row(NEM_GRAPHS_BASELINE, passed=False, verdict="MISMATCH", problems=[kv])
+    row = _row(NEM_GRAPHS, passed=False, verdict="MISMATCH",
+               problems=[Problem(ProblemKind.NUMERIC, "same schedule but KV differs (max |Δ| 4.29e-10)")])
+    floor, row = judge_against_native_floor([floor, row], {c.case_id: c for c in (NEM_GRAPHS, NEM_GRAPHS_BASELINE)})
+    assert floor.passed and floor.verdict == "native floor: 0 of 3 requests differ"
+    assert row.passed and row.verdict == "within native's floor (0 of 3 requests differ)"
+    for other in (replace(NEM_GRAPHS, archetype=C.ARCHETYPES["falcon_h1"]), replace(NEM_GRAPHS, compiled=False)):
+        assert not C.measures_native_floor(replace(other, control=C.Control.BASELINE))
+
+
 NEM_BUDGET = C.Case(C.ARCHETYPES["nemotron_h"], lengths=C.LengthSet.EXTENDED,
                     pattern=C.PrefixPattern.SHARED_CONCURRENT, fault=C.TINY_BUDGET, max_tokens=4)
 NEM_EQUAL_POOL = replace(NEM_BUDGET, control=C.Control.EQUAL_POOL)

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.cases import NATIVE_FLOOR_BACKENDS, Case, Control, Scheduling
+from conformance.cases import Case, Control, Scheduling, measures_native_floor
 from conformance.orchestrate.parity import (
     KvComparison,
     LogprobComparison,
@@ -837,7 +837,8 @@ def judge_against_native_floor(rows: list[ParityRow], cases: dict[str, Case]) ->
 
     A baseline control runs a case again on native (native vs native). For a case on an
     attention backend whose native engine is known to be history-dependent
-    (`conformance.cases.NATIVE_FLOOR_BACKENDS`: FlashAttention 3 with prefix hits on CUDA), and
+    (`conformance.cases.NATIVE_FLOOR_BACKENDS`: FlashAttention 3 with prefix hits on CUDA), for
+    a case native was measured not to repeat (`conformance.cases.NATIVE_FLOOR_CASES`), and
     for native at the candidate's pool (`Control.EQUAL_POOL`: a budget that evicts prefixes
     native's own output depends on), a baseline that differs is not a harness failure but a
     measurement: it passes as the floor, and every row of the same case is judged against it.
@@ -850,9 +851,7 @@ def judge_against_native_floor(rows: list[ParityRow], cases: dict[str, Case]) ->
     out = list(rows)
     for i, floor in enumerate(rows):
         case = cases[floor.case_id]
-        measures_floor = case.control is Control.EQUAL_POOL or (
-            case.control is Control.BASELINE and case.attention in NATIVE_FLOOR_BACKENDS)
-        if not measures_floor or floor.verdict == "exact" or any(not _numeric(p) for p in floor.problems):
+        if not measures_native_floor(case) or floor.verdict == "exact" or any(not _numeric(p) for p in floor.problems):
             continue
         out[i] = floor = replace(
             floor, problems=[], passed=True, explanations=floor.explanations + [f"native floor: {p}" for p in floor.problems],
