@@ -273,6 +273,7 @@ _KNOBS: dict[str, _Knob] = {
     "page_size": _Knob("KVCACHED_PAGE_SIZE", _int_text, _page_size),
     "min_reserve_pages": _Knob("KVCACHED_MIN_RESERVE_PAGES", _int_text, _count(0, 1 << 20)),
     "max_reserve_pages": _Knob("KVCACHED_MAX_RESERVE_PAGES", _int_text, _count(0, 1 << 20)),
+    "hold_steps": _Knob("KVCACHED_HOLD_STEPS", _int_text, _count(0, 1 << 20)),
     "capacity_ttl_s": _Knob("KVCACHED_CAPACITY_TTL_MS", _ms_text, _seconds(60.0)),
     "map_retries": _Knob("KVCACHED_MAP_RETRIES", _int_text, _count(0, 100)),
     "retry_backoff_s": _Knob("KVCACHED_RETRY_BACKOFF_MS", _ms_text, _seconds(10.0)),
@@ -283,6 +284,10 @@ _KNOBS: dict[str, _Knob] = {
     "background_refill": _Knob("KVCACHED_BACKGROUND_REFILL", _text, _refill),
     "host_reserve": _Knob("KVCACHED_HOST_RESERVE", parse_reserve, _reserve),
 }
+
+#: Every environment variable `KvcachedConfig.resolve` reads (its knobs, and the MiB spelling
+#: of the page size).
+ENV_NAMES = frozenset({knob.var for knob in _KNOBS.values()} | {"KVCACHED_PAGE_SIZE_MB"})
 
 #: Default cap on free blocks that keep their prefix-cache contents (and so their pages
 #: mapped): a tenth of the pool. Idle, an engine then pins at most that share of its KV
@@ -303,7 +308,8 @@ class KvcachedConfig:
     """Validated knobs of one elastic pool; every instance holds each field in canonical form.
 
     Invariants (checked at construction, `_KNOBS`): ``page_size`` is a multiple of 4 KiB in
-    [4 KiB, 16 GiB]; ``0 <= min_reserve_pages <= max_reserve_pages <= 2**20``; the times are
+    [4 KiB, 16 GiB]; ``0 <= min_reserve_pages <= max_reserve_pages <= 2**20``; ``0 <= hold_steps
+    <= 2**20`` (`kvcached.policies.ReservePolicy`: 0 gives idle pages back at the step's end); the times are
     finite seconds; ``budget_bytes`` is None (join the device's record with its limit) or
     the global limit in [0, `MAX_BYTES`] to ask that record for (`kvcached.budget`);
     ``budget_path`` is None (the per-user default record of the device), a record's path,
@@ -317,6 +323,7 @@ class KvcachedConfig:
     page_size: int = 2 * MiB
     min_reserve_pages: int = 1
     max_reserve_pages: int = 4
+    hold_steps: int = 0
     capacity_ttl_s: float = 0.1
     map_retries: int = 3
     retry_backoff_s: float = 0.04

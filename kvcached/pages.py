@@ -792,20 +792,22 @@ class PagePool:
                 self.in_use.discard(page)
                 self.reserve[page] = ticket
 
-    def collect(self, keep: int | None = None) -> int:
-        """Unmap reserve pages above ``keep`` (default max_reserve_pages, less what the
-        pool is over its limit by) whose ticket passed."""
+    def collect(self, keep: int | None = None, *, busy: bool = False) -> int:
+        """Unmap reserve pages above ``keep`` whose ticket passed. ``keep`` None: the end of a
+        step, keeping what the reserve policy says (`ReservePolicy.keep`: max_reserve_pages,
+        or while ``busy`` the hold window's), less what the pool is over its limit by."""
         with self._lock:
             self._confirm(wait=False)  # a refill in flight is never unmapped here
             if keep is not None:
                 return self._unmap_ready(keep)
             # The end of a step: its takes set the pace, the quarantine's backoff moves on,
             # and the limit is read (and the pool's bytes published) for the next one.
-            self.policies.reserve.end_step()
+            reserve = self.policies.reserve
+            reserve.end_step(in_use=len(self.in_use), busy=busy)
             self.policies.quarantine.end_step()
             self._retry_quarantine()
             self._poll_limit()
-            return self._unmap_ready(self.policies.reserve.max_pages, limited=True)
+            return self._unmap_ready(reserve.keep(len(self.in_use)), limited=True)
 
     def shed(self) -> int:
         """Unmap the reserve pages (those the fence allows) the pool is over its limit by."""

@@ -21,6 +21,7 @@ or unmaps anything except `FailingSpace`, which only forwards.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -54,30 +55,53 @@ class ReservePolicy:
     without as many decays it by one. The reserve refills to the pace, at least
     ``min_pages`` and at most ``max_pages``, so a steady demand of several pages a step
     finds them mapped. Invariant: ``0 <= min_pages <= target() <= max_pages``.
+
+    *Holding* (``hold_steps`` > 0): while the engine is busy, a step's end keeps idle pages
+    up to the most pages in use at the end of any of the last ``hold_steps`` busy steps, so
+    a page emptied as one request ends and wanted as the next one starts stays mapped
+    instead of being unmapped and mapped again (a driver call each way on the step's
+    path). The first idle step forgets the window: an idle engine keeps ``max_pages``.
+    Invariant: ``max_pages <= keep(in_use)``, equal when not busy or ``hold_steps == 0``.
     """
 
     min_pages: int
     max_pages: int
+    hold_steps: int = 0
     pace: int = 0
     taken_this_step: int = 0
+    #: Pages in use at the end of each of the last ``hold_steps`` busy steps.
+    in_use_lately: deque[int] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_pages <= self.max_pages:
             raise ConfigError(f"reserve watermarks min={self.min_pages} max={self.max_pages} "
                               "need 0 <= min <= max")
+        if self.hold_steps < 0:
+            raise ConfigError(f"hold_steps={self.hold_steps} needs to be >= 0")
+        self.in_use_lately = deque(maxlen=self.hold_steps)
 
     @classmethod
     def from_config(cls, config: KvcachedConfig) -> ReservePolicy:
-        return cls(config.min_reserve_pages, config.max_reserve_pages)
+        return cls(config.min_reserve_pages, config.max_reserve_pages, config.hold_steps)
 
     def took(self, pages: int) -> None:
         """``pages`` were made in use during this step."""
         self.taken_this_step += pages
 
-    def end_step(self) -> None:
-        """The step is over: its takes set the pace, or the pace decays by one."""
+    def end_step(self, *, in_use: int = 0, busy: bool = False) -> None:
+        """The step is over: its takes set the pace, or the pace decays by one; a busy step's
+        ``in_use`` joins the hold window, an idle one clears it."""
         self.pace = max(self.taken_this_step, self.pace - 1)
         self.taken_this_step = 0
+        if busy:
+            self.in_use_lately.append(in_use)  # a maxlen of 0 keeps nothing
+        else:
+            self.in_use_lately.clear()
+
+    def keep(self, in_use: int) -> int:
+        """Idle pages to keep mapped at a step's end: ``max_pages``, or while held, what the
+        window's peak of pages in use exceeds ``in_use`` by, if more."""
+        return max(self.max_pages, max(self.in_use_lately, default=0) - in_use)
 
     def target(self) -> int:
         """Pages the reserve refills to: the pace, within the watermarks."""

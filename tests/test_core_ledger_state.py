@@ -53,18 +53,18 @@ class _SteppedMachine(RuleBasedStateMachine):
         self.in_flight += 1
 
     @precondition(lambda self: self.in_flight > 0)
-    @rule()
-    def end_step(self) -> None:
+    @rule(busy=st.booleans())
+    def end_step(self, busy: bool) -> None:
         self.fence.end_step()
         self.in_flight -= 1
-        self.pool.collect()
+        self.pool.collect(busy=busy)  # busy: the reserve policy may hold pages (hold_steps)
 
 
 class ElasticCoreMachine(_SteppedMachine):
     def __init__(self) -> None:
         super().__init__()
         self.config = KvcachedConfig(page_size=PAGE, min_reserve_pages=1, max_reserve_pages=2,
-                                     capacity_ttl_s=0.0, map_retries=0)
+                                     capacity_ttl_s=0.0, map_retries=0, hold_steps=3)
         geometry = plan_geometry([STRIDE], NUM_BLOCKS, PAGE)
         self.budget = LocalBudget(BUDGET_PAGES * PAGE)
         self.vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE)
@@ -230,7 +230,7 @@ class RankedFaultsMachine(_SteppedMachine):
             self.budgets.append(budget)
         self.space = RankedPageSpace(geometry, _InOrder(self.ranks), R_RANKS, capacity_ttl_s=0.0)
         config = KvcachedConfig(page_size=R_PAGE, min_reserve_pages=1, max_reserve_pages=2, capacity_ttl_s=0.0,
-                                map_retries=1, retry_backoff_s=0.0)
+                                map_retries=1, retry_backoff_s=0.0, hold_steps=3)
         self.fence = StepFence()
         self.pool = PagePool(self.space, config, fence=self.fence)
         self.ledger = BlockLedger(R_BLOCKS, geometry.blocks_per_page, self.pool)
@@ -302,12 +302,13 @@ class RankedFaultsMachine(_SteppedMachine):
         """`ensure_backed` is the admission check: never an exception, whatever fails."""
         assert self.ledger.ensure_backed(min(n, self.ledger.num_free)) == self.ledger.backed_free_count()
 
-    @rule()
-    def step(self) -> None:
-        """A step that ran and ended: the reserve is trimmed, the quarantine retried if due."""
+    @rule(busy=st.booleans())
+    def step(self, busy: bool) -> None:
+        """A step that ran and ended: the reserve is trimmed (held while busy), the quarantine
+        retried if due."""
         self.fence.begin_step()
         self.fence.end_step()
-        self.pool.collect()
+        self.pool.collect(busy=busy)
 
     @rule()
     def trim(self) -> None:

@@ -270,6 +270,55 @@ def test_reserve_keeps_the_pace_of_recent_steps_within_the_watermarks():
     assert pool.policies.reserve.pace == 6 and pool.policies.reserve.target() == 4, "never above the max watermark"
 
 
+def test_a_busy_pool_holds_pages_it_will_want_again_and_an_idle_one_gives_them_back():
+    """Holding (``hold_steps``): a page emptied as one request ends and wanted as the next one
+    starts stays mapped while the engine is busy, not unmapped and mapped again; the window
+    forgets old peaks, and the first idle step gives back all but the reserve. With
+    ``hold_steps=0`` (the default) a busy step gives back as an idle one does."""
+    pool, (vr,), _ = make_pool(num_pages=16, hold_steps=3)
+    pool.acquire([0, 1, 2, 3])
+    pool.collect(busy=True)  # the window's peak: 4 pages in use
+    pool.release([2, 3])  # two requests end ...
+    assert pool.collect(busy=True) == 0 and vr.num_mapped == 4, "held: the window says 4 in use lately"
+    pool.acquire([2])  # ... and the next one takes a page with no driver call
+    assert pool.counters().blocking_maps == 4 and pool.counters().maps == 4
+    pool.release([0, 1, 2])
+    # The window (in use at the ends of the last 3 busy steps) goes [4, 2, 0], [2, 0, 0], [0, 0, 0]:
+    # held pages go back as the steps that needed them leave it.
+    assert [pool.collect(busy=True) for _ in range(3)] == [0, 2, 2] and vr.num_mapped == 0
+    pool.acquire([0, 1, 2])
+    pool.collect(busy=True)
+    pool.release([0, 1, 2])
+    assert pool.collect(busy=False) == 3 and vr.num_mapped == 0, "idle: all but max_reserve_pages (0) go back"
+    plain, (vr,), _ = make_pool(num_pages=16)
+    plain.acquire([0, 1])
+    plain.collect(busy=True)
+    plain.release([1])
+    assert plain.collect(busy=True) == 1 and vr.num_mapped == 1, "hold_steps=0: given back at once"
+
+
+def test_holding_never_outlasts_a_limit():
+    """A limit (a budget another engine needs) takes held pages back at the next step's end:
+    what the pool is over its limit by comes out of the reserve first, held or not."""
+    from kvcached.policies import ReservePolicy
+
+    policy = ReservePolicy(0, 0, hold_steps=8)
+    policy.end_step(in_use=10, busy=True)
+    assert policy.keep(in_use=4) == 6
+    assert pool_keep_under_limit(policy, in_use=4, reserve=6, limit=7) == 3
+    with pytest.raises(ConfigError, match="hold_steps"):
+        ReservePolicy(0, 0, hold_steps=-1)
+    with pytest.raises(ConfigError, match="KVCACHED_HOLD_STEPS"):
+        KvcachedConfig.resolve(env={"KVCACHED_HOLD_STEPS": "-1"})
+
+
+def pool_keep_under_limit(policy: object, *, in_use: int, reserve: int, limit: int) -> int:
+    from kvcached.policies import EngineLimit
+
+    limit_policy = EngineLimit(pages=limit)
+    return limit_policy.keep(policy.keep(in_use), reserve=reserve, mapped=in_use + reserve)  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("var", ["KVCACHED_CAPACITY_TTL_MS", "KVCACHED_RETRY_BACKOFF_MS"])
 @pytest.mark.parametrize("raw", ["nan", "NaN", "inf", "-inf", "-1", "1e400"])
 def test_non_finite_or_negative_times_are_refused(var: str, raw: str) -> None:

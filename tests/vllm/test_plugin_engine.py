@@ -170,3 +170,55 @@ def test_background_refills_run_on_one_thread_that_shutdown_stops(tiny_llama: Pa
     assert elastic["refill_threads"] == [1, 0]
     ((takes, hits, _blocking),) = elastic["takes"].values()
     assert takes > 0 and 0 <= hits <= takes  # how many hit is timing: not checked
+
+
+HOLD_CHILD = textwrap.dedent("""
+    import json, os, sys
+    model_dir, out_path, block_size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    from vllm import LLM, SamplingParams
+    import kvcached
+
+    prompts = [[(11 * i + j) % 900 + 1 for j in range(96 + 80 * (i % 4))] for i in range(10)]
+    params = [SamplingParams(temperature=0, max_tokens=2 + 6 * (i % 3), ignore_eos=True, detokenize=False)
+              for i in range(10)]
+    runs = {}
+    for hold in ("0", "64"):
+        os.environ["KVCACHED_HOLD_STEPS"] = hold
+        llm = LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+                  block_size=block_size, enable_prefix_caching=True, max_model_len=512, seed=0,
+                  kv_cache_memory_bytes=32 << 20, max_num_seqs=2)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        (stats,) = kvcached.stats().values()
+        runs[hold] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "maps": stats.maps,
+                      "unmaps": stats.unmaps, "idle_mapped_pages": stats.mapped_bytes // stats.kv_page_bytes,
+                      "peak_mapped_pages": stats.peak_mapped_bytes // stats.kv_page_bytes}
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    json.dump(runs, open(out_path, "w"))
+""")
+
+
+
+def test_a_busy_engine_holds_pages_it_wants_again_and_gives_them_back_when_idle(tiny_llama: Path,
+                                                                                tmp_path: Path) -> None:
+    """Holding pages while busy (``KVCACHED_HOLD_STEPS``), through the scheduler seam that says
+    whether the engine is busy. Requests end and start while others run (two at a time,
+    different lengths, no cached blocks kept), so pages empty while the engine is busy and are
+    wanted again a few steps later. The same workload runs twice in one child, holding nothing
+    (the default) and then holding for 64 steps: the same tokens, fewer pages mapped when
+    held, and once idle both gave back every page but the reserve's and the null block's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "VLLM_PLUGINS"))}
+    env |= ENGINE_ENV | {"KVCACHED_ENABLE": "1", "KVCACHED_PAGE_SIZE": str(64 << 10),
+                         "KVCACHED_MAX_CACHED_BLOCKS": "0", "KVCACHED_MAX_RESERVE_PAGES": "1",
+                         "KVCACHED_BUDGET_PATH": "off"}
+    out = tmp_path / "runs.json"
+    proc = subprocess.run([sys.executable, "-c", HOLD_CHILD, str(tiny_llama), str(out), str(attention_block_size(16))],
+                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    plain, held = json.loads(out.read_text()).values()
+    assert held["tokens"] == plain["tokens"]
+    assert plain["unmaps"] > 0, "the workload must empty pages while busy, or it tests nothing"
+    assert held["maps"] < plain["maps"], ({k: v for k, v in plain.items() if k != "tokens"},
+                                          {k: v for k, v in held.items() if k != "tokens"})
+    for run in (plain, held):  # idle: the null block's page and at most the one reserve page
+        assert run["idle_mapped_pages"] <= 2, run

@@ -298,14 +298,15 @@ class ElasticBlockPool(BlockPool):
         if self.faults is not None:
             self.faults.trigger(name)
 
-    def collect(self) -> int:
-        """Unmap idle pages the fence allows (called after each executed step).
+    def collect(self, *, busy: bool = False) -> int:
+        """Unmap idle pages the fence allows (called after each executed step; ``busy``: the
+        engine still has requests, so the reserve policy may hold pages, `PagePool.collect`).
 
         Over its limit (`PagePool.limit_pages`), the pool gives back idle reserve pages
         first, then empties pages whose every held block is free but cached (fewest such
         blocks first; they go out as the fence allows). Live blocks are never taken.
         """
-        unmapped = self.page_pool.collect()
+        unmapped = self.page_pool.collect(busy=busy)
         over = self.page_pool.over_limit()
         if over > 0 and self._clean_idle_pages(over):
             unmapped += self.page_pool.shed()

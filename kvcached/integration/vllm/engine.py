@@ -236,9 +236,10 @@ def prepare(core: Any, kv_cache_config: Any) -> None:
                                                       limiter=limiter))
     _logger.info(
         "kvcached: elastic KV cache active on %d rank(s) (%s): %d kv pages of %d bytes, %d blocks, "
-        "VMM page %d bytes, reserve %d-%d pages, refills %s, %s", len(replies), type(executor).__name__,
+        "VMM page %d bytes, reserve %d-%d pages%s, refills %s, %s", len(replies), type(executor).__name__,
         geometry.num_kv_pages, pages.kv_page_bytes, geometry.num_blocks, geometry.page_size, config.min_reserve_pages,
-        config.max_reserve_pages, "on a background thread" if background else
+        config.max_reserve_pages, f" (held over {config.hold_steps} busy steps)" if config.hold_steps else "",
+        "on a background thread" if background else
         ("inline" if runs_inline(executor) else "through the executor's queues"), timeout_text(executor, timeout_s))
 
 

@@ -360,7 +360,7 @@ def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]
         pool = _scheduler_pool(self)
         if pool is not None:
             pool.fence.end_step()
-            pool.collect()
+            pool.collect(busy=self.has_unfinished_requests())
         return outputs
 
     return update_from_output
