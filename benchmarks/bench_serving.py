@@ -105,6 +105,11 @@ METRICS = (
     Metric("p50_tpot_ms", "TPOT p50 (ms)"),
     Metric("p95_tpot_ms", "TPOT p95 (ms)"),
     Metric("p99_tpot_ms", "TPOT p99 (ms)"),
+    # From the step timer (``--step-times``): Scheduler.schedule + update_from_output per engine
+    # step inside the EngineCore, kvcached's seams included; absent from runs without it.
+    Metric("sched_ms_p50", "scheduler ms/step p50"),
+    Metric("sched_ms_p95", "scheduler ms/step p95"),
+    Metric("graph_replays_per_step", "CUDA graph replays/step", True),
 )
 _STEADY = {"output_throughput": 0.98, "p95_ttft_ms": 1.05, "p95_tpot_ms": 1.05}
 TARGETS: dict[str, dict[str, float]] = {"rate": _STEADY, "saturation": _STEADY,
@@ -127,6 +132,12 @@ class Setup:
     #: vLLM's stat logger and its ``--cudagraph-metrics`` on both sides: each server's log then
     #: says how many steps ran as a full or piecewise CUDA graph, or eager (`graph_modes`).
     graph_metrics: bool = False
+    #: More environment for the kvcached side's servers (``--kvcached-env``: an ablation of
+    #: kvcached's own knobs, e.g. a larger reserve); empty: kvcached as users get it.
+    kvcached_env: tuple[tuple[str, str], ...] = ()
+    #: The harness's step timer in both sides' EngineCore (``--step-times``,
+    #: `conformance.engine.step_timer`): scheduler time per step, per phase.
+    step_times: bool = False
 
 
 SETUPS = {
@@ -374,12 +385,20 @@ def serve_side(sess: Session, model: BenchModel, tok_dir: Path, side: str, rnd: 
     from conformance.serving import ServerSpec, serving
 
     setup = sess.setup
-    extra = (("KVCACHED_PAGE_SIZE", str(setup.page_size)),) if side == "kvcached" and setup.page_size else ()
+    extra: tuple[tuple[str, str], ...] = (
+        (("KVCACHED_PAGE_SIZE", str(setup.page_size)),) if side == "kvcached" and setup.page_size else ())
+    extra += setup.kvcached_env if side == "kvcached" else ()
+    out = sess.work / model.name / f"round{rnd}"
+    out.mkdir(parents=True, exist_ok=True)
+    step_log = out / f"{side}.steps.jsonl"
+    if setup.step_times:
+        step_log.unlink(missing_ok=True)
+        extra += (("VLLM_PLUGINS", "kvcached,conformance_agent" if side == "kvcached" else "conformance_agent"),
+                  ("CONFORMANCE_AGENT", "1"), ("CONFORMANCE_STEP_LOG", str(step_log)))
     spec = ServerSpec(side, side == "kvcached", extra_env=extra, dtype=model.spec.torch_dtype, eager=model.eager,
                       model_runner=model.model_runner, log_stats=setup.graph_metrics,
                       extra_args=("--cudagraph-metrics",) if setup.graph_metrics else ())
-    out = sess.work / model.name / f"round{rnd}"
-    out.mkdir(parents=True, exist_ok=True)
+    windows: list[tuple[PhaseRun, float, float]] = []
     wanted = [p for p in PHASE_ORDER if p in sess.phases or (p == "saturation" and model.name not in sess.rates)]
     with serving(spec, tok_dir, out, max_model_len=setup.max_model_len, kv_cache_bytes=model.kv_cache_bytes,
                  start_timeout_s=600.0) as server:
@@ -389,18 +408,38 @@ def serve_side(sess: Session, model: BenchModel, tok_dir: Path, side: str, rnd: 
         for name in wanted:
             phase = phase_config(name, sess.rates.get(model.name), sess.num_prompts[model.name],
                                  setup.saturation_concurrency)
-            t0 = time.monotonic()
+            t0, wall0 = time.monotonic(), time.time()
             result = run_client(server.port, tok_dir, phase, out, f"{side}-{name}", (setup.input_len, setup.output_len))
             run = PhaseRun(model.name, side, rnd, phase, result, calibration_only=name not in sess.phases)
+            windows.append((run, wall0, time.time()))
             sess.runs.append(run)
             sess.rates.setdefault(model.name, Rates(run.metric("request_throughput")))
             progress.advance(f"{model.name} r{rnd} {side} {name}: {run.metric('output_throughput'):.1f} tok/s, "
                              f"TTFT p95 {run.metric('p95_ttft_ms'):.0f} ms", seconds=time.monotonic() - t0)
+    if setup.step_times:  # read once the server is gone: its timer flushed at shutdown
+        add_step_times(step_log, windows)
     log = server.log()
     pools = parse_shutdown_lines(log)
     sess.servers.append(ServerFacts(model.name, side, rnd, server.start_s, int(server.proc.returncode), active,
                                     str(server.log_path), runner, pools[-1] if pools else None,
                                     graph_modes(log) if setup.graph_metrics else None))
+
+
+def add_step_times(step_log: Path, windows: Sequence[tuple[PhaseRun, float, float]]) -> None:
+    """Each phase's scheduler time per step (``sched_ms_p50``/``_p95``, ``sched_steps``) into its
+    result, from the server's step log: the steps scheduled while the phase's client ran."""
+    if not step_log.is_file():
+        raise RuntimeError(f"--step-times: the server wrote no step log ({step_log}); is the harness's "
+                           "conformance_agent plugin installed beside vLLM?")
+    rows = [json.loads(line) for line in step_log.read_text().splitlines() if line.strip()]
+    for run, t0, t1 in windows:
+        steps = [r for r in rows if t0 <= r[0] <= t1 and r[3] > 0]
+        if not steps:
+            raise RuntimeError(f"--step-times: no step of {run.side} {run.phase.name} in {step_log}")
+        ms = sorted((r[1] + r[2]) * 1e3 for r in steps)
+        replays = steps[-1][5] - steps[0][5] if len(steps[0]) > 5 else None  # logs before the count had 5 fields
+        run.result |= {"sched_ms_p50": statistics.median(ms), "sched_ms_p95": ms[int(0.95 * (len(ms) - 1))],
+                       "sched_steps": len(ms), "graph_replays_per_step": None if replays is None else replays / len(ms)}
 
 
 def prepare_model(model: BenchModel) -> Path:
@@ -456,6 +495,8 @@ def compare(sess: Session, model: str, phase: str) -> list[dict[str, Any]]:
     rounds = sorted(set(nat) & set(kvc))
     rows = []
     for m in METRICS:
+        if not all(runs[r].result.get(m.key) is not None for runs in (nat, kvc) for r in rounds):
+            continue  # the step timer's metrics, in runs without it
         n, k = [nat[r].metric(m.key) for r in rounds], [kvc[r].metric(m.key) for r in rounds]
         ratios = [a / b if b else float("nan") for a, b in zip(k, n, strict=True)]
         target = sess.setup.targets[phase].get(m.key)
@@ -482,7 +523,9 @@ def _row(c: dict[str, Any]) -> dict[str, str]:
 def _setup(doc: dict[str, Any]) -> Setup:
     """The run's setup (documents saved before setups existed are CPU runs)."""
     saved = doc.get("setup")
-    return Setup(**saved) if saved else SETUPS["cpu"]
+    if not saved:
+        return SETUPS["cpu"]
+    return Setup(**{**saved, "kvcached_env": tuple((k, v) for k, v in saved.get("kvcached_env", ()))})
 
 
 def _phase_title(doc: dict[str, Any], model: str, phase: str) -> str:
@@ -565,10 +608,39 @@ GPU_METHOD = (
 
 def _method(doc: dict[str, Any]) -> str:
     setup = _setup(doc)
+    ablation = (" The kvcached side is an ablation, not kvcached as users get it: its servers also had "
+                + ", ".join(f"{k}={v}" for k, v in setup.kvcached_env) + ".") if setup.kvcached_env else ""
+    if setup.step_times:
+        ablation += (" A diagnostic run: the harness's step timer ran in both sides' EngineCore (scheduler ms per "
+                     "step: Scheduler.schedule + update_from_output, kvcached's seams included, over the steps "
+                     "scheduled while each phase's client ran, its warm-ups included).")
     if setup.device == "cpu":
-        return METHOD.format(rounds=doc["rounds"])
+        return METHOD.format(rounds=doc["rounds"]) + ablation
     return GPU_METHOD.format(rounds=doc["rounds"], input_len=setup.input_len, output_len=setup.output_len,
-                             max_model_len=setup.max_model_len)
+                             max_model_len=setup.max_model_len) + ablation
+
+
+def kvcached_env(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """``--kvcached-env`` items (``KVCACHED_NAME=VALUE``) as pairs, each checked by kvcached's own
+    config parser, so a bad name or value stops the run before any server starts."""
+    from kvcached.config import ENV_NAMES, KvcachedConfig
+    from kvcached.errors import ConfigError
+
+    pairs = []
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not name.startswith("KVCACHED_") or name in ("KVCACHED_ENABLE", "KVCACHED_FAULT_PLAN"):
+            raise SystemExit(f"--kvcached-env {item!r}: want KVCACHED_<knob>=VALUE, a knob of kvcached's config "
+                             "(not KVCACHED_ENABLE or a fault plan)")
+        pairs.append((name, value))
+    env = dict(pairs)
+    if unknown := sorted(set(env) - ENV_NAMES):
+        raise SystemExit(f"--kvcached-env: not a knob of kvcached's config: {', '.join(unknown)}")
+    try:
+        KvcachedConfig.resolve(env)
+    except ConfigError as e:
+        raise SystemExit(f"--kvcached-env: {e}") from None
+    return tuple(pairs)
 
 
 def build(doc: dict[str, Any]) -> Report:
@@ -662,7 +734,8 @@ def resume(doc: dict[str, Any], plan: dict[str, Any], work: Path) -> tuple[Sessi
     part's environment; each later part's goes under ``resumed``)."""
     if "plan" not in doc:
         raise SystemExit("--resume: serving.partial.json was saved before runs recorded their plan; run again")
-    if differ := [f"{k}: saved {doc['plan'][k]!r}, asked {v!r}" for k, v in plan.items() if doc["plan"].get(k) != v]:
+    saved = {"kvcached_env": [], "step_times": False, **doc["plan"]}  # plans saved before these options
+    if differ := [f"{k}: saved {saved.get(k)!r}, asked {v!r}" for k, v in plan.items() if saved.get(k) != v]:
         raise SystemExit("--resume: not the run saved in serving.partial.json (" + "; ".join(differ) + ")")
     sess = Session(tuple(plan["phases"]), dict(plan["prompts"]), work, _setup(doc),
                    servers=[ServerFacts(**f) for f in doc["servers"]])
@@ -735,6 +808,14 @@ def main() -> int:
     defaults = ", ".join(f"{m.name} {m.num_prompts}" for m in MODELS.values())
     ap.add_argument("--num-prompts", type=int, default=None, help=f"prompts per phase (default: {defaults})")
     ap.add_argument("--out", type=Path, default=None, help="(default: reports/bench; cuda: reports/gpu/serving)")
+    ap.add_argument("--logs", type=Path, default=None, help="where the server and client logs go (default: a new "
+                    "temporary folder; on a lent GPU host, a folder that comes back)")
+    ap.add_argument("--step-times", action="store_true",
+                    help="time every engine step's scheduler on both sides (the harness's step timer): a "
+                         "diagnostic run, reported per phase")
+    ap.add_argument("--kvcached-env", action="append", default=[], metavar="KVCACHED_NAME=VALUE",
+                    help="more environment for the kvcached side (repeatable): an ablation of kvcached's knobs, "
+                         "named in the report")
     ap.add_argument("--render", action="store_true", help="render the report again from serving.json in --out "
                     "(a run cut short: from serving.partial.json, the rounds it finished)")
     ap.add_argument("--resume", action="store_true", help="go on with the run cut short in --out "
@@ -745,6 +826,7 @@ def main() -> int:
         print(render(args.out))
         return 0
     setup, known = SETUPS[args.device], DEVICE_MODELS[args.device]
+    setup = replace(setup, kvcached_env=kvcached_env(args.kvcached_env), step_times=args.step_times)
     names = (args.models or ",".join(known)).split(",")
     rounds = args.rounds or setup.rounds
     if unknown := (set(names) - set(known)) | (set(args.phases.split(",")) - set(PHASE_ORDER)):
@@ -752,11 +834,13 @@ def main() -> int:
     models = [known[m] for m in names]
     phases = tuple(p for p in PHASE_ORDER if p in args.phases.split(","))
     prompts = {m.name: args.num_prompts or m.num_prompts for m in models}
-    work = Path(tempfile.mkdtemp(prefix="bench-serving-"))
+    work = Path(tempfile.mkdtemp(prefix="bench-serving-")) if args.logs is None else args.logs
+    work.mkdir(parents=True, exist_ok=True)
     print(f"server and client logs: {work}", flush=True)
     environment = provenance(["python", "benchmarks/bench_serving.py", *sys.argv[1:]],
                              {"transformers": version("transformers")})
-    plan = {"device": args.device, "models": names, "phases": list(phases), "prompts": prompts, "rounds": rounds}
+    plan = {"device": args.device, "models": names, "phases": list(phases), "prompts": prompts, "rounds": rounds,
+            "kvcached_env": [list(kv) for kv in setup.kvcached_env], "step_times": setup.step_times}
     meta: dict[str, Any]
     if args.resume:  # a GPU lease ends within minutes: a run goes on over several calls
         partial = args.out / "serving.partial.json"

@@ -3,6 +3,7 @@ whose two sides built different model runners is stopped, not compared."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -206,3 +207,61 @@ def test_a_run_cut_short_resumes_with_the_servers_it_lacks(tmp_path: Path) -> No
     doc = {"rounds": 3, "elapsed_s": 5.0, "load_before": 0.0, "load_after": 0.0, "environment": meta["environment"],
            "resumed": [{"date": "d2"}], "setup": meta["setup"], "servers": [], "models": {}, "comparisons": {}}
     assert "Run in 2 parts (--resume, each on a fresh server set; parts began d1, d2" in bs.build(doc).body[0].blocks[1].text
+
+
+def test_an_ablation_names_kvcached_knobs_checked_by_kvcacheds_own_parser() -> None:
+    """`--kvcached-env` takes only kvcached's own knobs, with values its config accepts; a bad item
+    stops the run before any server starts, naming it. The report calls such a run an ablation."""
+    assert bs.kvcached_env(["KVCACHED_MAX_RESERVE_PAGES=64", "KVCACHED_MAX_CACHED_BLOCKS=-1"]) == (
+        ("KVCACHED_MAX_RESERVE_PAGES", "64"), ("KVCACHED_MAX_CACHED_BLOCKS", "-1"))
+    for bad, said in [("MAX_RESERVE_PAGES=64", "want KVCACHED_<knob>=VALUE"), ("KVCACHED_ENABLE=0", "want KVCACHED_"),
+                      ("KVCACHED_RESERVE=64", "not a knob of kvcached's config: KVCACHED_RESERVE"),
+                      ("KVCACHED_MAX_RESERVE_PAGES=-1", "KVCACHED_MAX_RESERVE_PAGES"),
+                      ("KVCACHED_MIN_RESERVE_PAGES=9", "exceeds")]:
+        with pytest.raises(SystemExit, match=said):
+            bs.kvcached_env([bad])
+    setup = bs.replace(bs.SETUPS["cuda"], kvcached_env=(("KVCACHED_MAX_RESERVE_PAGES", "64"),), step_times=True)
+    doc = {"rounds": 1, "setup": bs.asdict(setup)}
+    assert bs._setup(json.loads(json.dumps(doc))) == setup  # as --render reads it back
+    text = bs._method(doc)
+    assert "an ablation, not kvcached as users get it: its servers also had KVCACHED_MAX_RESERVE_PAGES=64" in text
+    assert "A diagnostic run: the harness's step timer" in text
+    assert "ablation" not in bs._method({"rounds": 1, "setup": bs.asdict(bs.SETUPS["cuda"])})
+
+
+def test_step_times_go_to_the_phase_whose_client_ran_and_only_where_both_sides_have_them(tmp_path: Path) -> None:
+    config = bs.PhaseConfig("saturation", float("inf"), 4, 8, 1)
+    runs = [bs.PhaseRun("1b", "native", 1, config, {}), bs.PhaseRun("1b", "native", 1, bs.replace(config, name="rate"), {})]
+    log = tmp_path / "native.steps.jsonl"
+    # [wall time, schedule s, update s, requests, tokens]: 3 steps in the first window (one idle), 1 in the second
+    rows = [[10.0, 0.001, 0.002, 4, 4], [11.0, 0.002, 0.002, 4, 4], [12.0, 0.0, 0.0, 0, 0], [12.5, 0.010, 0.0, 4, 4],
+            [20.0, 0.005, 0.0, 2, 2], [30.0, 1.0, 1.0, 4, 4]]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bs.add_step_times(log, [(runs[0], 10.0, 13.0), (runs[1], 19.0, 21.0)])
+    assert runs[0].result == {"sched_ms_p50": pytest.approx(4.0), "sched_ms_p95": pytest.approx(4.0), "sched_steps": 3,
+                              "graph_replays_per_step": None}  # a log from before the replay count
+    assert runs[1].result["sched_ms_p50"] == pytest.approx(5.0) and runs[1].result["sched_steps"] == 1
+    # With the replay count (cumulative, the 6th field): 30 replays over the window's 3 steps.
+    log.write_text("".join(json.dumps([*r, 10 * i]) + "\n" for i, r in enumerate(rows)))
+    bs.add_step_times(log, [(runs[0], 10.0, 13.0)])
+    assert runs[0].result["graph_replays_per_step"] == pytest.approx(10.0)
+    with pytest.raises(RuntimeError, match="no step of native saturation"):
+        bs.add_step_times(log, [(runs[0], 40.0, 50.0)])
+    with pytest.raises(RuntimeError, match="wrote no step log"):
+        bs.add_step_times(tmp_path / "none.jsonl", [(runs[0], 10.0, 13.0)])
+    sess = bs.Session(("saturation",), {"1b": 8}, tmp_path, bs.SETUPS["cuda"])
+    plain = {k: v for k, v in _result(1.0).items() if not k.startswith("sched_")}
+    sess.runs += [bs.PhaseRun("1b", "native", 1, config, plain), bs.PhaseRun("1b", "kvcached", 1, config, _result(1.0))]
+    assert "sched_ms_p50" not in {c["metric"] for c in bs.compare(sess, "1b", "saturation")}
+    sess.runs[0].result |= {"sched_ms_p50": 5.0, "sched_ms_p95": 5.0}
+    row = next(c for c in bs.compare(sess, "1b", "saturation") if c["metric"] == "sched_ms_p50")
+    assert row["ratios"] == [2.0] and row["target"] is None
+
+
+def test_a_run_saved_before_the_diagnostic_options_resumes_as_a_plain_run(tmp_path: Path) -> None:
+    old_plan = {"device": "cuda", "models": ["1b"], "phases": ["saturation", "rate"], "prompts": {"1b": 8}, "rounds": 3}
+    plan = {**old_plan, "kvcached_env": [], "step_times": False}
+    sess, _ = bs.resume(_cut_short(tmp_path, old_plan), plan, tmp_path)
+    assert len(sess.runs) == 6
+    with pytest.raises(SystemExit, match=r"step_times: saved False, asked True"):
+        bs.resume(_cut_short(tmp_path, old_plan), {**plan, "step_times": True}, tmp_path)

@@ -11,8 +11,11 @@ every class-level wrapper (kvcached's seams, whichever plugin loaded first) is i
 timed region. Step i is the i-th ``schedule`` with the i-th ``update_from_output`` (async
 scheduling runs one ahead), as in ``benchmarks/bench_scheduler.py``.
 
-Each step appends one JSON line ``[wall_time, schedule_s, update_s, requests, tokens]``
-(``requests``: requests scheduled in the step) to the path, buffered: written every
+Each step appends one JSON line ``[wall_time, schedule_s, update_s, requests, tokens, replays]``
+(``requests``: requests scheduled in the step; ``replays``: CUDA graph replays in this process so
+far, counted at the step's update: where the worker runs in the EngineCore process, as with
+vLLM's UniProcExecutor on one GPU, a phase's replays per step show whether its steps ran as
+graphs or fell back to eager) to the path, buffered: written every
 `FLUSH_EVERY` steps and whenever the engine runs out of requests (outside the timed
 region), and when the scheduler shuts down or the process exits.
 """
@@ -34,7 +37,7 @@ class StepLog:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.rows: list[tuple[float, float, float, int, int]] = []
+        self.rows: list[tuple[float, float, float, int, int, int]] = []
 
     def flush(self) -> None:
         if not self.rows:
@@ -42,6 +45,28 @@ class StepLog:
         with open(self.path, "a", encoding="utf-8") as f:
             f.writelines(json.dumps(row) + "\n" for row in self.rows)
         self.rows.clear()
+
+
+class ReplayCounter:
+    """Counts ``torch.cuda.CUDAGraph.replay`` calls in this process (wrapped once; 0 where no
+    graph is replayed, as on the CPU)."""
+
+    count = 0
+
+    @classmethod
+    def install(cls) -> None:
+        import torch
+
+        original = torch.cuda.CUDAGraph.replay
+        if getattr(original, "_conformance_replays", False):
+            return
+
+        def replay(self: Any, *args: Any, **kwargs: Any) -> Any:
+            cls.count += 1
+            return original(self, *args, **kwargs)
+
+        replay._conformance_replays = True  # type: ignore[attr-defined]
+        torch.cuda.CUDAGraph.replay = replay  # type: ignore[method-assign]
 
 
 def instrument(sched: Any, path: str) -> StepLog:
@@ -66,7 +91,7 @@ def instrument(sched: Any, path: str) -> StepLog:
         dt = clock() - t
         if scheduled:
             wall, schedule_s, requests, tokens = scheduled.popleft()
-            log.rows.append((wall, schedule_s, dt, requests, tokens))
+            log.rows.append((wall, schedule_s, dt, requests, tokens, ReplayCounter.count))
             if len(log.rows) >= FLUSH_EVERY or not sched.has_unfinished_requests():
                 log.flush()  # outside the timed region; idle: a reader may be waiting
         return out
@@ -93,6 +118,7 @@ def install(path: str) -> None:
             instrument(self, path)  # this first step runs untimed; every later one is timed
         return original(self, *args, **kwargs)
 
+    ReplayCounter.install()
     schedule._conformance_step_timer = True  # type: ignore[attr-defined]
     schedule.__wrapped__ = original  # type: ignore[attr-defined]
     Scheduler.schedule = schedule
