@@ -15,16 +15,21 @@
 # the machine that ran each part in the foreground of its own call stayed through four calls.
 # Leave a minute of the lease for the last call's files: with 43 s left (12-04) none came back.
 #
-# H200 timings (12-04): staging 10 s, install 52-56 s; the V1 matrix with 8 jobs: hybrids 406 s,
-# llama and qwen3 244 s. The next session's calls, in order of need (issues 27, 29, 30):
-#   chunk 470 --jobs 8 --archetypes nemotron_h                 (the open row and its new baseline)
-#   fg 560 engine-tests python3 -m pytest -p no:xdist -q -rA --tb=short --basetemp=/tmp/gpu-out/pytest \
-#       tests/test_gpu_engine.py tests/test_gpu_serve.py
-#   chunk 560 --jobs 2 --model-runner vllm --archetypes llama --layouts mp
+# H200 timings (12-04): staging 10 s, install 52-57 s; the V1 matrix with 8 jobs: hybrids 406 s,
+# llama and qwen3 244 s; nemotron_h alone 373 s; V2 dense mp rows 154 s; the GPU engine tests
+# 374 s; bench_serving 1b: a server ~85 s to start, a phase ~33 s (7 phase runs in 510 s).
+# The next session's calls, in order of need (issues 30, 29):
+#   fg 560 serving-diag python3 benchmarks/bench_serving.py --device cuda --models 1b --rounds 1 \
+#       --step-times --out /tmp/gpu-out/serving-diag --logs /tmp/gpu-out/serving-diag/logs
+#   fg 560 serving-hold python3 benchmarks/bench_serving.py --device cuda --models 1b --rounds 1 \
+#       --step-times --kvcached-env KVCACHED_HOLD_STEPS=256 --out /tmp/gpu-out/serving-hold \
+#       --logs /tmp/gpu-out/serving-hold/logs            (the two together: where the step's time goes)
 #   chunk 560 --jobs 2 --model-runner v2 --archetypes nemotron_h,qwen3_next --faults none \
 #       --layouts inproc --no-controls
 #   fg 560 serving python3 benchmarks/bench_serving.py --device cuda --models 1b --rounds 5 \
-#       --out /tmp/gpu-out/serving [--resume]                 (--resume from its second call on)
+#       --out /tmp/gpu-out/serving --logs /tmp/gpu-out/serving/logs --resume
+#       (first: mkdir -p /tmp/gpu-out/serving && cp reports/gpu/serving/partial-12-04d/serving.partial.json
+#        /tmp/gpu-out/serving/; its round 1 is kept)
 #   fg 560 sharing python3 -m conformance.sharing --device cuda --quick --out /tmp/gpu-out/sharing
 # (chunk runs write into one conformance run, h200 or what --run-id says: `python -m conformance
 # --device cuda --render h200` here joins them into one report.)
