@@ -51,6 +51,22 @@ def test_unsupported_versions_name_the_supported_range(version: str) -> None:
         capabilities_for(version)
 
 
+@pytest.mark.parametrize("version", ["0.34.0", "0.34.0+cu130", "0.35.1", "1.0.0"])
+def test_vllm_034_and_later_are_refused_by_name_with_why(version: str) -> None:
+    """0.34 removed Model Runner V1 and brought vLLM's own extensible KV cache: refused, saying
+    so and where the decision is, even on trial, until an engine has run it (docs/vllm-0.34.md)."""
+    for trial in (False, True):
+        with pytest.raises(IntegrationError) as refused:
+            capabilities_for(version, trial=trial)
+        text = str(refused.value)
+        assert "Model Runner V2 only" in text and "--enable-extensible-kv-cache" in text
+        assert "docs/vllm-0.34.md" in text and re.search(r"supports vLLM 0\.26 to 0\.32", text)
+    assert (Path(__file__).resolve().parents[2] / "docs" / "vllm-0.34.md").is_file()
+    with pytest.raises(IntegrationError) as older:
+        capabilities_for("0.33.0")
+    assert "Model Runner V2 only" not in str(older.value)  # 0.33 still has V1: the plain refusal
+
+
 @pytest.mark.parametrize("version", ["", "banana", "0.28.x", "v0.28.0-cpu", "0.28.0+", "..", "1!0.28.0"])
 def test_unparsable_versions_are_refused(version: str) -> None:
     with pytest.raises(IntegrationError):

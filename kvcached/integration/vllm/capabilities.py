@@ -42,6 +42,12 @@ kvcached refuses V2 from 0.29 (`kvcached.integration.vllm.runner_v2`, the
 ``use_v2_model_runner`` seam); `ElasticBlockPool.unpin_blocks` refuses by name should any
 other path ever call it.
 
+From 0.34 (`UNSERVED`): Model Runner V1 is gone, and vLLM backs the KV cache with its own
+virtual memory (``--enable-extensible-kv-cache``, on by default on CUDA). Such a release is
+refused by name, with why, until an engine has run kvcached on it (``docs/vllm-0.34.md`` has
+the decision: switch vLLM's cache off, refuse it where asked for, allocate through its
+``allocate`` hook).
+
 A release enters this table once ``nox -s compat -- <version>`` has added its row to
 ``reports/compat/``; any other release is refused at start-up with that hint. A release
 whose rows were read from its wheel's source but whose compat row is not in yet
@@ -82,6 +88,14 @@ SUPPORTED: tuple[Series, Series] = ((0, 26), (0, 32))
 TRIAL: Series = (0, 32)
 #: ``1`` accepts a release on trial (the compat session sets it); unset or ``0``: refused.
 TRIAL_ENV = "KVCACHED_VLLM_TRIAL"
+#: The first series refused by name, and why (read from its wheel; no engine ran it yet).
+UNSERVED: tuple[Series, str] = (
+    (0, 34),
+    ("from 0.34 vLLM has Model Runner V2 only (kvcached serves V2 on 0.26-0.28) and backs the KV "
+     "cache with its own virtual memory (--enable-extensible-kv-cache, on by default on CUDA), "
+     "which kvcached must switch off and allocate around; docs/vllm-0.34.md says how, and no "
+     "engine has run it yet"),
+)
 
 _logger = logging.getLogger(__name__)
 
@@ -169,8 +183,9 @@ def capabilities_for(version: str, trial: bool = False) -> Capabilities:
         _logger.warning("kvcached: vLLM %s accepted on trial (%s=1): its capability rows are read from its "
                         "wheel's source and its compat row is not in reports/compat/ yet", version, TRIAL_ENV)
     elif not lo <= series <= hi:
+        unserved = f" ({UNSERVED[1]})" if series >= UNSERVED[0] else ""
         raise IntegrationError(
-            f"vLLM {version} is not supported; kvcached supports vLLM {_range_text()}. A release is "
+            f"vLLM {version} is not supported{unserved}; kvcached supports vLLM {_range_text()}. A release is "
             f"supported once `nox -s compat -- {version}` has added its row to reports/compat/ and "
             "kvcached/integration/vllm/capabilities.py its entry" + (
                 f"; its entry is drafted, so {TRIAL_ENV}=1 accepts it on trial, as that session does"
