@@ -80,6 +80,8 @@ SATURATION_CONCURRENCY = 16
 RATE_FRACTION = 0.5  # the "rate" phase: this fraction of the saturation request throughput
 OVERLOAD_FACTOR = 2.5  # the "overload" phase: this multiple of it
 NUM_WARMUPS = 2
+#: Rounds a verdict needs: fewer (a run cut short) are reported, never judged.
+MIN_VERDICT_ROUNDS = 3
 CLIENT_TIMEOUT_S = 900.0
 KVCACHED_PAGE_SIZE = 64 << 10
 PHASE_ORDER = ("saturation", "rate", "overload")
@@ -503,8 +505,17 @@ def compare(sess: Session, model: str, phase: str) -> list[dict[str, Any]]:
         rows.append({"metric": m.key, "label": m.label, "higher_is_better": m.higher_is_better, "rounds": rounds,
                      "native": n, "kvcached": k, "ratios": ratios,
                      "median_ratio": statistics.median(ratios) if ratios else None, "target": target,
-                     "verdict": verdict(ratios, target, higher_is_better=m.higher_is_better) if target and ratios else None})
+                     "verdict": _verdict(ratios, target, m.higher_is_better)})
     return rows
+
+
+def _verdict(ratios: list[float], target: float | None, higher_is_better: bool) -> str | None:
+    """The shared verdict rule where a target exists, once `MIN_VERDICT_ROUNDS` rounds are in."""
+    if not target or not ratios:
+        return None
+    if len(ratios) < MIN_VERDICT_ROUNDS:
+        return f"no verdict ({len(ratios)} of the {MIN_VERDICT_ROUNDS} rounds a verdict needs)"
+    return verdict(ratios, target, higher_is_better=higher_is_better)
 
 
 def _spread(xs: Sequence[float], fmt: str = "{:.2f}") -> str:
@@ -664,8 +675,12 @@ def build(doc: dict[str, Any]) -> Report:
             verdicts += [f"{name} {phase} {c['label']} {c['verdict']}" for c in rows if c["verdict"]]
     if _setup(doc).device != "cpu":
         body.insert(1, Section("kvcached/native per round", (Image("serving.png", "ratios per model and phase"),)))
+    judged = [v for v in verdicts if "no verdict (" not in v]
+    headline = ("; ".join(judged) + "." if judged else
+                f"No verdict: {doc['rounds']} round(s) on both sides, {MIN_VERDICT_ROUNDS} needed." if verdicts else
+                "No targeted metric.")
     return Report(subject="Online serving: `vllm serve` with kvcached against native",
-                  headline="; ".join(verdicts) + "." if verdicts else "No targeted metric.",
+                  headline=headline,
                   environment=saved_environment(doc), body=tuple(body), overview={"rounds": doc["rounds"]})
 
 

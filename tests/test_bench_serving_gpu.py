@@ -265,3 +265,22 @@ def test_a_run_saved_before_the_diagnostic_options_resumes_as_a_plain_run(tmp_pa
     assert len(sess.runs) == 6
     with pytest.raises(SystemExit, match=r"step_times: saved False, asked True"):
         bs.resume(_cut_short(tmp_path, old_plan), {**plan, "step_times": True}, tmp_path)
+
+
+def test_a_run_of_fewer_rounds_than_a_verdict_needs_is_reported_not_judged(tmp_path: Path) -> None:
+    """One round proves nothing (issue 30): a run cut short after one or two rounds shows its
+    ratios and says it gives no verdict; from `MIN_VERDICT_ROUNDS` on, the shared rule judges."""
+    config = bs.PhaseConfig("saturation", float("inf"), 4, 8, 1)
+    sess = bs.Session(("saturation",), {"1b": 8}, tmp_path, bs.SETUPS["cuda"])
+    for rnd in range(1, bs.MIN_VERDICT_ROUNDS + 1):
+        sess.runs += [bs.PhaseRun("1b", "native", rnd, config, _result(1.0)),
+                      bs.PhaseRun("1b", "kvcached", rnd, config, _result(0.5))]
+        row = next(c for c in bs.compare(sess, "1b", "saturation") if c["metric"] == "output_throughput")
+        if rnd < bs.MIN_VERDICT_ROUNDS:
+            assert row["verdict"] == f"no verdict ({rnd} of the {bs.MIN_VERDICT_ROUNDS} rounds a verdict needs)"
+        else:
+            assert row["verdict"] == "missed" and row["ratios"] == [0.5] * rnd
+    doc = bs.report(bs.Session(("saturation",), {"1b": 8}, tmp_path, bs.SETUPS["cuda"], runs=sess.runs[:2]),
+                    {"environment": {"command": "t", "date": "d"}, "rounds": 1, "setup": bs.asdict(bs.SETUPS["cuda"]),
+                     "load_before": 0.0}, [bs.GPU_MODELS["1b"]])
+    assert bs.build(json.loads(json.dumps(bs._jsonable(doc)))).headline == "No verdict: 1 round(s) on both sides, 3 needed."
