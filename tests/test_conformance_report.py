@@ -630,3 +630,30 @@ def test_render_keeps_the_environment_the_engines_ran_in(tmp_path: Path) -> None
     env = json.loads((tmp_path / "r1" / "environment.json").read_text())
     assert code == 0 and {k: env[k] for k in ran} == ran
     assert "NVIDIA H200" in md and "rendered_by" in env and "nothing ran" in env["rendered"]
+
+
+def test_render_without_a_selection_reports_what_the_runs_into_the_directory_selected(tmp_path: Path) -> None:
+    """A run of one archetype, rendered with no selection here, reports that archetype and calls
+    nothing else missing (12-04: rendering a nemotron_h-only run against the whole matrix listed
+    12 groups as cut short). Two runs into one directory (the GPU host's chunks) add up."""
+    from conformance.orchestrate import cli
+
+    base = ["--device", "cpu", "--schedulers", "sync", "--faults", "none", "--patterns", "warm3", "--layouts",
+            "inproc", "--no-controls", "--reports-dir", str(tmp_path)]
+    for arch in ("llama", "qwen3"):
+        cases = cli.select_cases(cli.build_parser().parse_args([*base, "--archetypes", arch]))
+        cli.save_selection(tmp_path / "r1", cases)
+        if arch == "llama":
+            assert cli.saved_selection(tmp_path / "r1") == cases
+            for label, group in cli.engine_groups(cases).items():
+                rows = [_row(c) for c in group]
+                cli.Collected(rows=rows, per_case=[(r, _requests(r)) for r in rows]).save(
+                    tmp_path / "r1" / cli.COMPARED / f"{label}.json")
+            assert cli.main(["--device", "cpu", "--reports-dir", str(tmp_path), "--render", "r1"]) == 0
+            md = (tmp_path / "r1" / "report.md").read_text()
+            assert "not compared" not in md and "llama-sync-pc-boundary-warm3-none" in md
+    both = cli.saved_selection(tmp_path / "r1")
+    assert list(dict.fromkeys(c.archetype.name for c in both or [])) == ["llama", "qwen3"]
+    assert cli.main(["--device", "cpu", "--reports-dir", str(tmp_path), "--render", "r1"]) == 1  # qwen3 never finished
+    assert "qwen3: not compared" in (tmp_path / "r1" / "report.md").read_text()
+    assert cli.saved_selection(tmp_path / "none") is None  # a run from before the selection was saved

@@ -147,7 +147,7 @@ def _add_run_settings(p: argparse.ArgumentParser) -> None:
     p.add_argument("--render", metavar="RUN_ID", default=None,
                    help="report that run from the comparisons it saved as each engine group finished, running "
                         "and comparing nothing (a run cut short: the groups it did not finish are listed as "
-                        "process issues; select the same cases as it did)")
+                        "process issues; without a selection here, the cases its runs selected)")
     p.add_argument("--keep-kv", action="store_true", help="keep the raw KV snapshots (.npz) after comparing")
     p.add_argument("--case-timeout", type=float, default=None,
                    help="seconds allowed per case in a child (default: the device's, 150 on the CPU, 60 on CUDA)")
@@ -231,6 +231,30 @@ def _config(args: argparse.Namespace) -> RunConfig:
 
 #: The run directory's folder of saved comparisons: one JSON per engine group (`Collected.save`).
 COMPARED = "compared"
+#: The cases every run into the run directory selected, in order (several runs may share one
+#: directory, each with its own selection): what ``--render`` reports unless told otherwise.
+SELECTION = "selection.json"
+
+
+def save_selection(run_dir: Path, cases: list[C.Case]) -> None:
+    """Add ``cases`` to the run directory's selection (those already there keep their place)."""
+    saved = saved_selection(run_dir) or []
+    known = {c.case_id for c in saved}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / SELECTION).write_text(json.dumps([c.to_json() for c in saved + [c for c in cases
+                                                                             if c.case_id not in known]], indent=1))
+
+
+def saved_selection(run_dir: Path) -> list[C.Case] | None:
+    """The cases the runs into ``run_dir`` selected (None: runs from before it was saved)."""
+    path = run_dir / SELECTION
+    return [C.Case.from_json(x) for x in json.loads(path.read_text())] if path.is_file() else None
+
+
+def _selects(args: argparse.Namespace) -> bool:
+    """Whether the command line selects cases itself (else a render takes the run's own)."""
+    return any((args.archetypes, args.schedulers, args.faults, args.patterns, args.layouts, args.no_controls,
+                args.quick, args.sweep))
 
 
 @dataclass
@@ -437,8 +461,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"conformance: --render {args.render}: no saved comparisons under {cfg.run_dir / COMPARED}",
                   file=sys.stderr)
             return 2
+        if not _selects(args) and (ran := saved_selection(cfg.run_dir)) is not None:
+            cases = ran  # the run's own selection: nothing to repeat, nothing reported missing that never ran
         out, issues = _rendered(cfg.run_dir, cases)
     else:
+        save_selection(cfg.run_dir, cases)
         n_ctrl = sum(c.is_control for c in cases)
         with RunProgress(planned_runs(cases), "conformance") as progress:
             progress.log(f"[conformance] run {cfg.run_dir.name}: {len(cases) - n_ctrl} cases + {n_ctrl} controls, "
