@@ -101,6 +101,7 @@ def serve_once(side: str, blocks: int, loads: list[Load], tok_dir: Path, out: Pa
     """One server: every load against it; its step log split by phase."""
     from bench_serving import check_active
 
+    from conformance.engine.step_timer import read_rows
     from conformance.serving import ServerSpec, serving
 
     step_log = out / f"{side}-{blocks}-r{rnd}.steps.jsonl"
@@ -118,7 +119,7 @@ def serve_once(side: str, blocks: int, loads: list[Load], tok_dir: Path, out: Pa
         check_active(f"{blocks} blocks", side, server.log())
         for load in loads:
             windows[load] = _client_phase(server.port, tok_dir, load, out, f"{side}-{blocks}-r{rnd}-{load.name}")
-    rows = [json.loads(x) for x in step_log.read_text().splitlines()] if step_log.is_file() else []
+    rows = read_rows(step_log) if step_log.is_file() else []
     found = []
     for load, (t0, t1) in windows.items():
         phase = [r for r in rows if t0 <= r[0] <= t1]

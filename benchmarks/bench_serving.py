@@ -433,7 +433,9 @@ def add_step_times(step_log: Path, windows: Sequence[tuple[PhaseRun, float, floa
     if not step_log.is_file():
         raise RuntimeError(f"--step-times: the server wrote no step log ({step_log}); is the harness's "
                            "conformance_agent plugin installed beside vLLM?")
-    rows = [json.loads(line) for line in step_log.read_text().splitlines() if line.strip()]
+    from conformance.engine.step_timer import read_rows
+
+    rows = read_rows(step_log)
     for run, t0, t1 in windows:
         steps = [r for r in rows if t0 <= r[0] <= t1 and r[3] > 0]
         if not steps:

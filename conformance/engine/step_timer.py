@@ -26,6 +26,7 @@ import atexit
 import json
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 ENV = "CONFORMANCE_STEP_LOG"
@@ -67,6 +68,11 @@ class ReplayCounter:
 
         replay._conformance_replays = True  # type: ignore[attr-defined]
         torch.cuda.CUDAGraph.replay = replay  # type: ignore[method-assign]
+
+
+def read_rows(path: str | Path) -> list[list[float]]:
+    """The rows a `StepLog` appended to ``path``, in order."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def instrument(sched: Any, path: str) -> StepLog:

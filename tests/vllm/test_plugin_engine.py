@@ -95,14 +95,16 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def run_engine(model: Path, out: Path, **env: str) -> dict:
+def run_engine(model: Path, out: Path, child: str | None = None, **env: str) -> dict:
+    """Run ``child`` (default `CHILD`) in a fresh interpreter with ``env`` over the engine
+    environment, none of this process's kvcached or plugin settings leaking in; its JSON."""
     child_env = {k: v for k, v in os.environ.items()
-                 if k not in ("KVCACHED_ENABLE", "ENABLE_KVCACHED", "VLLM_PLUGINS")}
+                 if not k.startswith("KVCACHED_") and k not in ("ENABLE_KVCACHED", "VLLM_PLUGINS")}
     child_env.update(ENGINE_ENV)
     child_env.update(env)
     block_size = attention_block_size(16)
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(model), str(out), str(block_size)], env=child_env, check=False,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", child or CHILD, str(model), str(out), str(block_size)], env=child_env,
+                          check=False, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(out.read_text())
 
@@ -207,15 +209,10 @@ def test_a_busy_engine_holds_pages_it_wants_again_and_gives_them_back_when_idle(
     wanted again a few steps later. The same workload runs twice in one child, holding nothing
     (the default) and then holding for 64 steps: the same tokens, fewer pages mapped when
     held, and once idle both gave back every page but the reserve's and the null block's."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "VLLM_PLUGINS"))}
-    env |= ENGINE_ENV | {"KVCACHED_ENABLE": "1", "KVCACHED_PAGE_SIZE": str(64 << 10),
-                         "KVCACHED_MAX_CACHED_BLOCKS": "0", "KVCACHED_MAX_RESERVE_PAGES": "1",
-                         "KVCACHED_BUDGET_PATH": "off"}
-    out = tmp_path / "runs.json"
-    proc = subprocess.run([sys.executable, "-c", HOLD_CHILD, str(tiny_llama), str(out), str(attention_block_size(16))],
-                          env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    plain, held = json.loads(out.read_text()).values()
+    runs = run_engine(tiny_llama, tmp_path / "runs.json", HOLD_CHILD, KVCACHED_ENABLE="1",
+                      KVCACHED_PAGE_SIZE=str(64 << 10), KVCACHED_MAX_CACHED_BLOCKS="0",
+                      KVCACHED_MAX_RESERVE_PAGES="1", KVCACHED_BUDGET_PATH="off")
+    plain, held = runs.values()
     assert held["tokens"] == plain["tokens"]
     assert plain["unmaps"] > 0, "the workload must empty pages while busy, or it tests nothing"
     assert held["maps"] < plain["maps"], ({k: v for k, v in plain.items() if k != "tokens"},
