@@ -38,7 +38,7 @@ ROOT = Path(__file__).parent
 # The engine environment lives beside the harness that also uses it; the module imports
 # nothing, so nox can load it before the project is installed anywhere.
 sys.path.insert(0, str(ROOT))
-from conformance.engine_env import ENGINE_ENV
+from conformance.engine_env import engine_env
 
 ENV_DIR = ROOT / ".nox" / "kvcached-env"
 SANITIZE_DIR = ROOT / ".nox" / "kvcached-asan"
@@ -85,7 +85,7 @@ def _shared_env(session: nox.Session, env_dir: Path = ENV_DIR, build_args: tuple
 
 def _run(session: nox.Session, python: Path, *args: str, env: dict[str, str] | None = None,
          success_codes: list[int] | None = None) -> None:
-    merged = {**ENGINE_ENV, **(env or {})}
+    merged = {**engine_env("cpu"), **(env or {})}  # every session but the GPU ones runs CPU engines
     session.run(str(python), *args, env=merged, external=True, success_codes=success_codes)
 
 
@@ -287,7 +287,7 @@ def gpu_conformance(session: nox.Session) -> None:
     # has it): without it every kvcached engine failed with "cannot import name '_vmm'" (H200, 12-04).
     for built in (site / "kvcached").glob("_vmm*.so"):
         shutil.copy2(built, ROOT / "kvcached" / built.name)
-    env = {**ENGINE_ENV, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    env = {**engine_env("cuda"), "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
     args = session.posargs or ["--jobs", "8"]  # the whole matrix: 373 s on the H200 (12-04)
     session.run(python, "-m", "conformance", "--device", "cuda", "--reports-dir", "reports/gpu/conformance", *args,
                 env=env, external=True)

@@ -58,6 +58,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from conformance.engine_env import CPU_ENGINE_ENV
 from conformance.models import MODEL_SPECS, ModelSpec
 from conformance.reporting import (
     Image,
@@ -140,10 +141,14 @@ class Setup:
     #: The harness's step timer in both sides' EngineCore (``--step-times``,
     #: `conformance.engine.step_timer`): scheduler time per step, per phase.
     step_times: bool = False
+    #: OpenMP threads of every server process (`conformance.engine_env.CPU_ENGINE_ENV`);
+    #: None: vLLM's choice (on a GPU, and in CPU runs saved before 12-05).
+    omp_threads: int | None = None
 
 
 SETUPS = {
-    "cpu": Setup("cpu", INPUT_LEN, OUTPUT_LEN, MAX_MODEL_LEN, SATURATION_CONCURRENCY, KVCACHED_PAGE_SIZE, TARGETS, 5),
+    "cpu": Setup("cpu", INPUT_LEN, OUTPUT_LEN, MAX_MODEL_LEN, SATURATION_CONCURRENCY, KVCACHED_PAGE_SIZE, TARGETS, 5,
+                 omp_threads=int(CPU_ENGINE_ENV["OMP_NUM_THREADS"])),
     "cuda": Setup("cuda", 1024, 256, 4096, 128, None, TARGETS, 5, graph_metrics=True),
 }
 
@@ -399,7 +404,7 @@ def serve_side(sess: Session, model: BenchModel, tok_dir: Path, side: str, rnd: 
                   ("CONFORMANCE_AGENT", "1"), ("CONFORMANCE_STEP_LOG", str(step_log)))
     spec = ServerSpec(side, side == "kvcached", extra_env=extra, dtype=model.spec.torch_dtype, eager=model.eager,
                       model_runner=model.model_runner, log_stats=setup.graph_metrics,
-                      extra_args=("--cudagraph-metrics",) if setup.graph_metrics else ())
+                      extra_args=("--cudagraph-metrics",) if setup.graph_metrics else (), device=setup.device)
     windows: list[tuple[PhaseRun, float, float]] = []
     wanted = [p for p in PHASE_ORDER if p in sess.phases or (p == "saturation" and model.name not in sess.rates)]
     with serving(spec, tok_dir, out, max_model_len=setup.max_model_len, kv_cache_bytes=model.kv_cache_bytes,
@@ -537,7 +542,7 @@ def _setup(doc: dict[str, Any]) -> Setup:
     """The run's setup (documents saved before setups existed are CPU runs)."""
     saved = doc.get("setup")
     if not saved:
-        return SETUPS["cpu"]
+        return replace(SETUPS["cpu"], omp_threads=None)
     return Setup(**{**saved, "kvcached_env": tuple((k, v) for k, v in saved.get("kvcached_env", ()))})
 
 
@@ -605,7 +610,7 @@ METHOD = (
     "{rounds} interleaved rounds (odd: native first, even: kvcached first), a fresh server per side and round. "
     f"Client: `vllm bench serve`, random dataset {INPUT_LEN} in / {OUTPUT_LEN} out, --ignore-eos, temperature 0, "
     f"{NUM_WARMUPS} warm-ups per phase. Server: `--enforce-eager`, fp32, block 16, prefix caching, --max-model-len "
-    f"{MAX_MODEL_LEN}, seed 0, vLLM's CPU thread defaults (VLLM_CPU_OMP_THREADS_BIND=nobind); kvcached with "
+    f"{MAX_MODEL_LEN}, seed 0, {{threads}} (VLLM_CPU_OMP_THREADS_BIND=nobind); kvcached with "
     f"KVCACHED_PAGE_SIZE={KVCACHED_PAGE_SIZE}. Values: median (min-max) over rounds; ratio = kvcached/native per "
     "round. Verdict: inconclusive when the ratio spread crosses the target, else met/missed by the median ratio.")
 GPU_METHOD = (
@@ -628,7 +633,9 @@ def _method(doc: dict[str, Any]) -> str:
                      "step: Scheduler.schedule + update_from_output, kvcached's seams included, over the steps "
                      "scheduled while each phase's client ran, its warm-ups included).")
     if setup.device == "cpu":
-        return METHOD.format(rounds=doc["rounds"]) + ablation
+        threads = ("vLLM's CPU thread defaults" if setup.omp_threads is None
+                   else f"OMP_NUM_THREADS={setup.omp_threads} in every server process")
+        return METHOD.format(rounds=doc["rounds"], threads=threads) + ablation
     return GPU_METHOD.format(rounds=doc["rounds"], input_len=setup.input_len, output_len=setup.output_len,
                              max_model_len=setup.max_model_len) + ablation
 
@@ -751,7 +758,7 @@ def resume(doc: dict[str, Any], plan: dict[str, Any], work: Path) -> tuple[Sessi
     part's environment; each later part's goes under ``resumed``)."""
     if "plan" not in doc:
         raise SystemExit("--resume: serving.partial.json was saved before runs recorded their plan; run again")
-    saved = {"kvcached_env": [], "step_times": False, **doc["plan"]}  # plans saved before these options
+    saved = {"kvcached_env": [], "step_times": False, "omp_threads": None, **doc["plan"]}  # saved before these
     if differ := [f"{k}: saved {saved.get(k)!r}, asked {v!r}" for k, v in plan.items() if saved.get(k) != v]:
         raise SystemExit("--resume: not the run saved in serving.partial.json (" + "; ".join(differ) + ")")
     sess = Session(tuple(plan["phases"]), dict(plan["prompts"]), work, _setup(doc),
@@ -857,7 +864,8 @@ def main() -> int:
     environment = provenance(["python", "benchmarks/bench_serving.py", *sys.argv[1:]],
                              {"transformers": version("transformers")})
     plan = {"device": args.device, "models": names, "phases": list(phases), "prompts": prompts, "rounds": rounds,
-            "kvcached_env": [list(kv) for kv in setup.kvcached_env], "step_times": setup.step_times}
+            "kvcached_env": [list(kv) for kv in setup.kvcached_env], "step_times": setup.step_times,
+            "omp_threads": setup.omp_threads}
     meta: dict[str, Any]
     if args.resume:  # a GPU lease ends within minutes: a run goes on over several calls
         partial = args.out / "serving.partial.json"

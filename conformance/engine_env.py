@@ -1,7 +1,8 @@
 """The environment every vLLM engine process of this project runs with.
 
 vLLM on CPU, offline: no telemetry, loopback only for its queues, the engine core in-process
-(about 3 s to start instead of 26 s), and Model Runner V1 (`MODEL_RUNNER_ENV`: the harness's
+(about 3 s to start instead of 26 s), one OpenMP thread per CPU engine process (`engine_env`),
+and Model Runner V1 (`MODEL_RUNNER_ENV`: the harness's
 ``--model-runner`` can leave the choice to vLLM, or ask for V2). One definition serves the harness, the tests' engine children and the nox sessions.
 This module imports nothing, so ``noxfile.py`` can load it without the project installed.
 """
@@ -16,6 +17,19 @@ ENGINE_ENV: dict[str, str] = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_USE_V2_MODEL_RUNNER": "0",
 }
+
+#: CPU engines only: one OpenMP thread per engine process. With a thread per core (torch's default,
+#: which vLLM keeps on CPU) each parallel region waits at its barrier for the thread whose core
+#: another process holds: 4 requests of 192 tokens, one at a time, on a native `vllm serve` took
+#: 89.1 s, and 5.3 s with one thread, beside a CPU hog on one of the 2 cores (12-05). The tiny models
+#: gain nothing from more threads. On a GPU the threads stay vLLM's choice, as users run it.
+CPU_ENGINE_ENV: dict[str, str] = {"OMP_NUM_THREADS": "1"}
+
+
+def engine_env(device: str) -> dict[str, str]:
+    """`ENGINE_ENV` for engines on ``device`` (``cpu``: with `CPU_ENGINE_ENV`)."""
+    return {**ENGINE_ENV, **CPU_ENGINE_ENV} if device == "cpu" else dict(ENGINE_ENV)
+
 
 #: ``--model-runner`` -> the value of VLLM_USE_V2_MODEL_RUNNER (None: unset, vLLM decides).
 MODEL_RUNNER_ENV: dict[str, str | None] = {"v1": "0", "v2": "1", "vllm": None}

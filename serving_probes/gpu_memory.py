@@ -236,9 +236,9 @@ def run_engine(side: str, workload: Workload, out: Path, bursts: int = 2, hold_d
 
 # ---- the parent: one process per engine, then the report ---------------------------------------
 def _child_env(side: str, model_runner: str) -> dict[str, str]:
-    from conformance.engine_env import ENGINE_ENV, with_model_runner, without_kvcached
+    from conformance.engine_env import engine_env, with_model_runner, without_kvcached
 
-    env = {**without_kvcached(dict(os.environ)), **ENGINE_ENV, "PYTHONHASHSEED": "0"}
+    env = {**without_kvcached(dict(os.environ)), **engine_env("cuda"), "PYTHONHASHSEED": "0"}
     if side.startswith("kvcached"):
         env["KVCACHED_ENABLE"] = "1"
     return with_model_runner(env, model_runner)

@@ -378,6 +378,20 @@ def test_the_model_runner_choice_sets_vllms_switch(choice: str, value: str | Non
         child_env("kvcached", C.Layout.INPROC, "v3")
 
 
+def test_cpu_engines_run_one_openmp_thread_and_gpu_engines_vllms_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Harness children and servers alike: one thread on the CPU (a busy core stalls a pool of
+    them at every barrier), and on a GPU what vLLM picks, as users run it."""
+    from conformance.orchestrate.runner import child_env
+    from conformance.serving.server import ServerSpec, _server_env
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for layout in (C.Layout.INPROC, C.Layout.MP):
+        assert child_env("native", layout, "v1", "cpu")["OMP_NUM_THREADS"] == "1"
+        assert "OMP_NUM_THREADS" not in child_env("native", layout, "vllm", "cuda")
+    assert _server_env(ServerSpec("native", False))["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in _server_env(ServerSpec("native", False, device="cuda"))
+
+
 @pytest.mark.parametrize(("argv", "seconds"), [(["--device", "cpu"], 150.0), (["--device", "cuda"], 60.0),
                                                (["--device", "cuda", "--case-timeout", "90"], 90.0)])
 def test_the_case_timeout_is_the_devices_unless_the_run_names_one(argv: list[str], seconds: float) -> None:

@@ -48,7 +48,9 @@ def _run(tmp_path: Path, warm: str = "", hang_s: int = HANG_S) -> int:
     script = _SCRIPT.replace("{warm}", warm).replace("{hang_s}", str(hang_s))
     proc = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True,
                           timeout=hang_s + 480,
-                          env={**os.environ, "KVCACHED_MODELS_DIR": str(tmp_path / "models")})
+                          # A pool of OpenMP threads, as torch makes by default: the hazard needs one (the
+                          # test sessions run engines with one thread, `CPU_ENGINE_ENV`).
+                          env={**os.environ, "KVCACHED_MODELS_DIR": str(tmp_path / "models"), "OMP_NUM_THREADS": "2"})
     assert proc.returncode in (0, 3), proc.stderr[-3000:]
     return proc.returncode
 

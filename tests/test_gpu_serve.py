@@ -32,7 +32,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, obje
     out: dict[str, dict[str, object]] = {}
     for label, kvcached in (("kvcached", True), ("native", False)):
         spec = ServerSpec(label, kvcached, dtype="bfloat16", eager=False, model_runner="vllm",
-                          extra_args=("--attention-backend", "TRITON_ATTN"))
+                          extra_args=("--attention-backend", "TRITON_ATTN"), device="cuda")
         with serving(spec, model, work / "logs", max_model_len=4096, kv_cache_bytes=1 << 30,
                      start_timeout_s=600.0) as server:
             out[label] = {"alone": one_at_a_time(server, prompts, MAX_TOKENS)}

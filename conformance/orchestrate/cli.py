@@ -387,7 +387,7 @@ def _write(args: argparse.Namespace, cfg: RunConfig, cases: list[C.Case], out: C
         "async_override": cfg.async_override,
         "model_runner": {"v1": "V1 (VLLM_USE_V2_MODEL_RUNNER=0)", "v2": "V2 (VLLM_USE_V2_MODEL_RUNNER=1)",
                          "vllm": "vLLM's choice (VLLM_USE_V2_MODEL_RUNNER unset)"}[cfg.model_runner],
-        "engine_env": "PYTHONHASHSEED=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1; layout inproc: "
+        "engine_env": "PYTHONHASHSEED=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1" + (" OMP_NUM_THREADS=1" if cfg.device == "cpu" else "") + "; layout inproc: "
                       "VLLM_ENABLE_V1_MULTIPROCESSING=0; mp and tp2: =1, VLLM_CPU_OMP_THREADS_BIND=nobind",
     }
     if args.recompare:

@@ -32,14 +32,13 @@ from typing import Any
 
 from conformance import stacks
 from conformance.cases import Case, Control, Layout
-from conformance.engine_env import ENGINE_ENV as BASE_ENGINE_ENV
-from conformance.engine_env import with_model_runner
+from conformance.engine_env import engine_env, with_model_runner
 
 AGENT_ENV = "CONFORMANCE_AGENT"  # conformance.engine.agent.ENV (the parent imports no engine code)
 from conformance.results import CaseResult, Job, JobEntry, load_result, write_atomic
 
-ENGINE_ENV = {
-    **BASE_ENGINE_ENV,
+#: What every engine child adds to `conformance.engine_env.engine_env` of its device.
+CHILD_ENV = {
     # Prefix-cache hashes are seeded from PYTHONHASHSEED; a fixed seed makes block hashes
     # equal across processes, which is how KV blocks of two engines are matched.
     "PYTHONHASHSEED": "0",
@@ -87,15 +86,16 @@ def base_case(c: Case) -> Case:
     return replace(c, control=Control.NONE)
 
 
-def child_env(engine: str, layout: Layout = Layout.INPROC, model_runner: str = "v1") -> dict[str, str]:
+def child_env(engine: str, layout: Layout = Layout.INPROC, model_runner: str = "v1",
+              device: str = "cpu") -> dict[str, str]:
     """Engine environment; kvcached knobs other than the switch are set per case by the child.
-    ``model_runner``: `RunConfig.model_runner`.
+    ``model_runner`` and ``device``: `RunConfig`'s.
 
     The layout is a process's, not a case's: vLLM caches its environment once an engine
     core has started in a process, so each layout gets engine processes of its own.
     """
     env = {k: v for k, v in os.environ.items() if k not in KVCACHED_KNOBS}
-    env.update(ENGINE_ENV)
+    env.update(engine_env(device) | CHILD_ENV)
     if layout.multiprocess:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         # vLLM binds each CPU worker to a NUMA node of its own unless told not to.
@@ -250,7 +250,7 @@ class Runner:
         timeout = self.cfg.startup_timeout_s + self.cfg.case_timeout_s * len(cases) * slow
         self.say(f"  -> {label}: {len(cases)} case(s), {engine} engine")
         job = self._job(side, engine, entries)
-        out = run_child(label, job, child_env(engine, layout, self.cfg.model_runner), self.raw / "jobs", timeout, self._on_line(side))
+        out = run_child(label, job, child_env(engine, layout, self.cfg.model_runner, self.cfg.device), self.raw / "jobs", timeout, self._on_line(side))
         self.children.append(out)
         why = (f"child timed out after {timeout:.0f} s (its processes' stacks end {out.log_path.name})"
                if out.timed_out else f"child exited with {out.returncode}")

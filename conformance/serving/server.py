@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conformance.engine_env import ENGINE_ENV, with_model_runner, without_kvcached
+from conformance.engine_env import engine_env, with_model_runner, without_kvcached
 from conformance.models import FIRST_FREE_TOKEN, VOCAB_SIZE
 from conformance.procfs import descriptors, reclaim_segments, shared_memory_segments
 
@@ -60,6 +60,7 @@ class ServerSpec:
     dtype: str = "float32"  # the model's compute dtype (bfloat16 on a GPU)
     eager: bool = True  # --enforce-eager; False: torch.compile and CUDA graphs, vLLM's default
     model_runner: str = "v1"  # `conformance.engine_env.MODEL_RUNNER_ENV`: v1, v2, or vllm (vLLM decides)
+    device: str = "cpu"  # where the engine runs (`conformance.engine_env.engine_env`)
 
 
 def with_tokenizer(model_dir: Path, out_dir: Path) -> Path:
@@ -87,7 +88,7 @@ def _free_port() -> int:
 
 def _server_env(spec: ServerSpec) -> dict[str, str]:
     env = without_kvcached(dict(os.environ))
-    env.update(ENGINE_ENV)
+    env.update(engine_env(spec.device))
     env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                 "PYTHONHASHSEED": "0"})
     if spec.kvcached:

@@ -113,7 +113,7 @@ class SharingPlan:
     def server(self, label: str, arch: str, kvcached: bool, extra_env: tuple[tuple[str, str], ...] = ()) -> ServerSpec:
         """One side's `vllm serve` on this plan's device."""
         return ServerSpec(label, kvcached, extra_env=extra_env, extra_args=self.server_args,
-                          dtype=model_spec(arch, self.device).torch_dtype, eager=self.eager)
+                          dtype=model_spec(arch, self.device).torch_dtype, eager=self.eager, device=self.device)
 
     def engine_env(self, name: str, record: Path) -> tuple[tuple[str, str], ...]:
         return (("KVCACHED_BUDGET_PATH", str(record)), ("KVCACHED_BUDGET_BYTES", str(self.budget_bytes)),

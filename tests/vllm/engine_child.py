@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from conformance.engine_env import ENGINE_ENV, without_kvcached
+from conformance.engine_env import engine_env, without_kvcached
 
 #: The native side loads no plugin at all (an empty allow-list), so it is vLLM alone.
 NATIVE_ENV = {"VLLM_PLUGINS": ""}
@@ -49,7 +49,7 @@ def run_side(script: Path, job: dict[str, Any], workdir: Path, env: dict[str, st
         # VLLM_CPU_KVCACHE_SPACE would override every case's kv_cache_memory_bytes
         if k not in ("VLLM_PLUGINS", "VLLM_CPU_KVCACHE_SPACE")
     }
-    child_env.update(ENGINE_ENV)
+    child_env.update(engine_env("cpu"))
     child_env.update(env)
     proc = subprocess.run([sys.executable, str(script), str(job_path), str(out_path)], env=child_env,
                           capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)

@@ -28,7 +28,7 @@ import pytest
 
 pytest.importorskip("kvcached._vmm", reason="native extension not built")
 
-from conformance.engine_env import ENGINE_ENV, without_kvcached
+from conformance.engine_env import engine_env, without_kvcached
 from kvcached.integration.vllm.capabilities import detect
 
 TIMEOUT_S = 300
@@ -64,7 +64,7 @@ def _run(scenario: str, tmp_path: Path) -> dict[str, object]:
 
 def _start(scenario: str, tmp_path: Path) -> dict[str, object]:
     env = {k: v for k, v in without_kvcached(dict(os.environ)).items() if k != "VLLM_PLUGINS"}
-    env.update(ENGINE_ENV)
+    env.update(engine_env("cpu"))
     env["KVCACHED_ENABLE"] = "0" if scenario.endswith("-off") else "1"
     if scenario.startswith("env"):
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.engine_env import ENGINE_ENV
+from conformance.engine_env import engine_env
 from conformance.vllm_series import attention_block_size
 
 CHILD = textwrap.dedent("""
@@ -100,7 +100,7 @@ def run_engine(model: Path, out: Path, child: str | None = None, **env: str) -> 
     environment, none of this process's kvcached or plugin settings leaking in; its JSON."""
     child_env = {k: v for k, v in os.environ.items()
                  if not k.startswith("KVCACHED_") and k not in ("ENABLE_KVCACHED", "VLLM_PLUGINS")}
-    child_env.update(ENGINE_ENV)
+    child_env.update(engine_env("cpu"))
     child_env.update(env)
     block_size = attention_block_size(16)
     proc = subprocess.run([sys.executable, "-c", child or CHILD, str(model), str(out), str(block_size)], env=child_env,
