@@ -20,17 +20,27 @@ from kvcached.integration.vllm.capabilities import (
 )
 
 _BASE = {"logical_block_copy": True, "raw_mamba_pages": True, "allocate_kv_cache": True,
-         "cpu_warmup_decision": False, "request_memory_external": False, "model_runner_v2": False}
-_V2 = {"allocate_kv_cache": False, "model_runner_v2": True}  # V2 through _allocate_kv_cache (0.26-0.28)
+         "cpu_warmup_decision": False, "request_memory_external": False, "model_runner_v2": False,
+         "v2_profiling_cache": True, "v2_warmup_before_capture": False, "hisparse": False}
+# V2 through _allocate_kv_cache, with no profiling cache (0.26-0.28)
+_V2 = {"allocate_kv_cache": False, "model_runner_v2": True, "v2_profiling_cache": False}
+_030 = {"cpu_warmup_decision": True, "v2_warmup_before_capture": True, "hisparse": True}
 ROWS: dict[tuple[int, int], dict[str, object]] = {  # from the contract notes and the compat report
     (0, 26): {**_BASE, **_V2, "raw_mamba_pages": False},
     (0, 27): {**_BASE, **_V2},  # 0.27.0 == 0.27.1
     (0, 28): {**_BASE, **_V2},
     (0, 29): _BASE,
-    (0, 30): {**_BASE, "cpu_warmup_decision": True},
-    (0, 31): {**_BASE, "cpu_warmup_decision": True},
-    (0, 32): {**_BASE, "cpu_warmup_decision": True, "request_memory_external": True},
+    (0, 30): {**_BASE, **_030},
+    (0, 31): {**_BASE, **_030},
+    (0, 32): {**_BASE, **_030, "request_memory_external": True},
 }
+#: Rows drafted from the wheels' source: they hold on these series on trial only.
+DRAFTED = {"model_runner_v2": {(0, 29), (0, 30), (0, 31), (0, 32)}}
+
+
+def row(series: tuple[int, int], trial: bool) -> dict[str, object]:
+    """`ROWS` as ``capabilities_for`` gives it with or without trial."""
+    return ROWS[series] | {name: True for name, on in DRAFTED.items() if trial and series in on}
 
 
 @pytest.mark.parametrize("version, series", [
@@ -39,10 +49,22 @@ ROWS: dict[tuple[int, int], dict[str, object]] = {  # from the contract notes an
     ("0.28.0.post1", (0, 28)), ("0.28.2", (0, 28)), ("0.28", (0, 28)), (" 0.26.0 ", (0, 26)),
 ])
 def test_supported_versions(version: str, series: tuple[int, int]) -> None:
-    caps = capabilities_for(version)
-    assert caps.series == series and caps.version == version
-    assert {f.name: getattr(caps, f.name) for f in dataclasses.fields(caps)
-            if f.name not in ("version", "series")} == ROWS[series]
+    for trial in (False, True):
+        caps = capabilities_for(version, trial=trial)
+        assert caps.series == series and caps.version == version
+        assert {f.name: getattr(caps, f.name) for f in dataclasses.fields(caps)
+                if f.name not in ("version", "series")} == row(series, trial)
+        assert {name for name in DRAFTED if caps.drafted(name)} == {n for n, on in DRAFTED.items() if series in on}
+
+
+def test_drafted_rows_hold_on_trial_only_and_say_so() -> None:
+    """Model Runner V2 on 0.29-0.32: its seams are read from each wheel's source, and no engine
+    has run them (V2 needs Triton; the GPU host has 0.26), so kvcached serves V2 there on trial."""
+    assert capabilities.TRIAL_ROWS == {"model_runner_v2": ((0, 29), (0, 32))}
+    for version in ("0.26.0", "0.28.0"):
+        assert capabilities_for(version).model_runner_v2 and not capabilities_for(version).drafted("model_runner_v2")
+    for version in ("0.29.0", "0.32.0"):
+        assert not capabilities_for(version).model_runner_v2 and capabilities_for(version, trial=True).model_runner_v2
 
 
 @pytest.mark.parametrize("version", ["0.25.2", "0.23.0", "0.9.2", "0.33.0", "1.0.0", "0.33.0+cpu", "2"])
@@ -113,7 +135,7 @@ def test_drafted_releases_are_accepted_on_trial_only(version: str, series: tuple
         capabilities_for(version)
     caps = capabilities_for(version, trial=True)
     assert caps.series == series and {f.name: getattr(caps, f.name) for f in dataclasses.fields(caps)
-                                      if f.name not in ("version", "series")} == ROWS[series]
+                                      if f.name not in ("version", "series")} == row(series, True)
     assert "accepted on trial" in caplog.text
 
 
@@ -145,3 +167,32 @@ def test_capabilities_is_the_only_module_that_compares_vllm_versions() -> None:
         if path.name != "capabilities.py" and version_use.search(path.read_text())
     ]
     assert offenders == []
+
+
+def _served(version: str, runner: str) -> str:
+    """What the README says of ``runner`` on ``version``, derived from the table alone."""
+    try:
+        caps = capabilities_for(version)
+    except IntegrationError as refused:
+        if "Model Runner V2 only" in str(refused):
+            return ("refused by name: V1 is gone" if runner == "V1"
+                    else "refused by name: vLLM's own extensible KV cache")
+        return "refused (no compat row)"
+    if runner == "V1" or caps.model_runner_v2:
+        return "served"
+    assert caps.drafted("model_runner_v2") and capabilities_for(version, trial=True).model_runner_v2
+    return f"on trial (`{TRIAL_ENV}=1`), else refused by name"
+
+
+def test_the_readme_says_which_runner_each_release_is_served_on() -> None:
+    """The README's table of releases and runners is the capability table's (each row's series
+    range must agree on every release in it)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    rows = re.findall(r"^\| (0\.\d+(?:-0\.\d+|\+)?) \| ([^|]+) \| ([^|]+) \|$", readme, re.MULTILINE)
+    assert [r[0] for r in rows] == ["0.26-0.28", "0.29-0.32", "0.33", "0.34+"]
+    for series, v1, v2 in rows:
+        lo, _, hi = series.rstrip("+").partition("-")
+        last = int((hi or lo).split(".")[1]) + (1 if series.endswith("+") else 0)
+        for minor in range(int(lo.split(".")[1]), last + 1):
+            version = f"0.{minor}.0"
+            assert (_served(version, "V1"), _served(version, "V2")) == (v1.strip(), v2.strip()), version

@@ -2,8 +2,9 @@
 
 vLLM decides between the runners in one place, ``VllmConfig.use_v2_model_runner``, which it reads
 while it validates the engine's config, before any worker, runner or KV tensor exists. Where
-kvcached serves V2 (0.26-0.28, ``Capabilities.model_runner_v2``) the decision is vLLM's alone;
-elsewhere kvcached's seam wraps it and refuses V2, naming the switch. On CPU vLLM decides V1 by
+kvcached serves V2 (0.26-0.28, and 0.29-0.32 on trial: ``Capabilities.model_runner_v2``) the
+decision is vLLM's; elsewhere kvcached's seam wraps it and refuses V2, naming the switches (the
+HiSparse refusal and the wrapper per series: ``test_runner_v2_decision``). On CPU vLLM decides V1 by
 default (no Triton), so the tests reach V2 two ways, each in its own fresh interpreter with a
 real ``LLM``:
 
@@ -92,8 +93,8 @@ def test_v2_is_refused_at_start_up_by_name(scenario: str, tmp_path: Path) -> Non
 @pytest.mark.skipif(not SERVES_V2, reason="kvcached refuses Model Runner V2 on this vLLM series")
 @pytest.mark.parametrize("scenario", ["env", "fake"])
 def test_where_kvcached_serves_v2_the_decision_is_vllms(scenario: str, tmp_path: Path) -> None:
-    """0.26-0.28: kvcached takes no part in the decision; on CPU vLLM then refuses V2 itself
-    (no Triton), exactly as with kvcached off."""
+    """Served: kvcached changes no decision; on CPU vLLM then refuses V2 itself (no Triton),
+    exactly as with kvcached off."""
     got = _run(scenario, tmp_path)
     assert got == _run(f"{scenario}-off", tmp_path)
 

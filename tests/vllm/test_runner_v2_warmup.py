@@ -5,8 +5,10 @@ itself (``gpu/warmup.py``), before any block pool exists; over kvcached's ranges
 block's page is mapped then. Here vLLM's real ``warmup_kernels`` runs through the installed seam
 (``vllm.v1.worker.gpu_worker.warmup_kernels``) against a runner that has just what it reads, and a
 worker step that stands in for the kernels: it writes every byte row of every block its scheduler
-output hands over, which on an unmapped page of a CPU range is a SIGSEGV. Skipped where kvcached
-does not serve V2 (0.29+: refused by name, ``test_model_runner_v2``).
+output hands over, which on an unmapped page of a CPU range is a SIGSEGV. From 0.30 the worker
+warms up before CUDA-graph capture, which runs on the block tables the warm-up left: there the
+pages stay lent until the worker's warm-up (``compile_or_warm_up_model``) returns. Skipped where
+kvcached does not serve V2 (0.29-0.32 without trial: refused by name, ``test_model_runner_v2``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import pytest
 
 from kvcached.integration.vllm.capabilities import detect
 
-if not detect().model_runner_v2:
+CAPS = detect()
+if not CAPS.model_runner_v2:
     pytest.skip("kvcached refuses Model Runner V2 on this vLLM series", allow_module_level=True)
 
 import torch
@@ -32,7 +35,7 @@ from worker_env import registered_space, worker_installed
 
 from kvcached.budget import BudgetRecord
 from kvcached.errors import PhysicalMemoryExhausted
-from kvcached.integration.vllm import rank_kv
+from kvcached.integration.vllm import rank_kv, runner_v2
 
 pytest.importorskip("kvcached._vmm", reason="native extension not built")
 
@@ -49,8 +52,18 @@ def installed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def _config() -> KVCacheConfig:
-    return KVCacheConfig(num_blocks=N, kv_cache_tensors=[KVCacheTensor(size=N * SPEC.page_size_bytes, shared_by=["l0"])],
-                         kv_cache_groups=[KVCacheGroupSpec(["l0"], SPEC)])
+    size = N * SPEC.page_size_bytes
+    if not CAPS.allocate_kv_cache:
+        tensor = KVCacheTensor(size=size, shared_by=["l0"])
+    else:  # 0.29+: one layer's slot in vLLM's LBHNC buffer
+        from vllm.v1.kv_cache_interface import compute_layout_strides
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        layer_stride, block_stride, *_ = compute_layout_strides(SPEC, N, 1, KVCacheLayout.LBHNC,
+                                                                fixed_strides=(None,) * 5)
+        tensor = KVCacheTensor(size=size, layers=["l0"], layer_stride=layer_stride, block_stride=block_stride,
+                               offset=0)
+    return KVCacheConfig(num_blocks=N, kv_cache_tensors=[tensor], kv_cache_groups=[KVCacheGroupSpec(["l0"], SPEC)])
 
 
 def _runner(config: KVCacheConfig, kv: torch.Tensor) -> Any:
@@ -58,7 +71,8 @@ def _runner(config: KVCacheConfig, kv: torch.Tensor) -> Any:
     return SimpleNamespace(
         is_encoder_only=False, is_encoder_decoder=False, is_pooling_model=False, is_last_pp_rank=True,
         num_speculative_steps=0, decode_query_len=1, kv_cache_config=config, model_state=SimpleNamespace(),
-        vllm_config=SimpleNamespace(num_lookahead_tokens=0), max_model_len=1024,
+        vllm_config=SimpleNamespace(num_lookahead_tokens=0, is_mm_encoder_only=False), max_model_len=1024,
+        max_num_reqs=MAX_SEQS, adaptive_verification=None, rejection_sampler=None,
         scheduler_config=SimpleNamespace(max_num_seqs=MAX_SEQS, max_num_batched_tokens=256),
         model_config=SimpleNamespace(get_vocab_size=lambda: 32), kv_block_zeroer=None,
         kv_connector=SimpleNamespace(set_disabled=lambda disabled: None), kv_caches=[kv],
@@ -89,7 +103,12 @@ class Kernels:
 
 
 def _allocate(config: KVCacheConfig) -> torch.Tensor:
-    return attn_utils._allocate_kv_cache(config, {}, torch.device("cpu"))["l0"]
+    """The KV tensor V2's ``init_kv_cache`` gets through the patched name of this series."""
+    if not CAPS.allocate_kv_cache:
+        return attn_utils._allocate_kv_cache(config, {}, torch.device("cpu"))["l0"]
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    return attn_utils.allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC, None)["l0"]
 
 
 def test_warm_up_maps_its_blocks_pages_and_gives_them_back() -> None:
@@ -146,3 +165,50 @@ def test_every_block_a_step_hands_over_is_covered() -> None:
     out.new_block_ids_to_zero = [12]
     assert scheduled_block_ids(out) == {1, 2, 3, 4, 9, 10, 11, 12}
     assert scheduled_block_ids(SchedulerOutput.make_empty()) == set()
+
+
+def test_the_workers_warm_up_keeps_the_pages_until_capture_has_run() -> None:
+    """0.30+: the installed ``Worker.compile_or_warm_up_model`` is the lease's scope. Here the
+    seam's wrapper runs a worker warm-up that calls vLLM's real ``warmup_kernels`` (through its
+    seam), then a capture that runs the model on the blocks the warm-up left; the pages are
+    mapped for both and unmapped when the worker's warm-up returns."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    if not CAPS.v2_warmup_before_capture:
+        pytest.skip("the worker warms V2 up after CUDA-graph capture on this series")
+    assert Worker.compile_or_warm_up_model.__wrapped__ is not None  # type: ignore[attr-defined]
+    config = _config()
+    kv = _allocate(config)
+    published = registered_space(kv)
+    pages = rank_kv.rank_kv_of(kv).pages  # type: ignore[union-attr]
+    kernels = Kernels(kv, published.ranges[0].mapped_pages)
+    runner = _runner(config, kv)
+    during_capture: list[list[int]] = []
+
+    def compile_or_warm_up_model(worker: Any) -> str:
+        gpu_worker.warmup_kernels(worker.model_runner, kernels.execute_model, kernels.sample_tokens)
+        during_capture.append(published.ranges[0].mapped_pages())
+        for b in kernels.blocks:  # capture's dummy runs on the block tables the warm-up left
+            kernels.rows[b].fill_(8)
+        return "compiled"
+
+    scoped = runner_v2._wrap_compile_or_warm_up(compile_or_warm_up_model)
+    assert scoped(SimpleNamespace(model_runner=runner)) == "compiled"
+    assert kernels.blocks == set(range(1, MAX_SEQS + 1)) and during_capture == [[0, 1, 2]]
+    assert published.ranges[0].mapped_pages() == [0] and pages.mapped == {rank_kv.NULL_BLOCK_PAGE}
+
+
+def test_a_failed_worker_warm_up_still_gives_the_pages_back() -> None:
+    config = _config()
+    kv = _allocate(config)
+    published = registered_space(kv)
+    kernels = Kernels(kv, published.ranges[0].mapped_pages)
+
+    def compile_or_warm_up_model(worker: Any) -> None:
+        gpu_worker.warmup_kernels(worker.model_runner, kernels.execute_model, kernels.sample_tokens)
+        raise RuntimeError("capture failed")
+
+    scoped = runner_v2._wrap_compile_or_warm_up(compile_or_warm_up_model)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        scoped(SimpleNamespace(model_runner=_runner(config, kv)))
+    assert kernels.blocks and published.ranges[0].mapped_pages() == [0]

@@ -22,15 +22,26 @@ RUNNER_SEAMS = ("_init_minimal_kv_cache_for_profiling",) + (
     () if CAPS.allocate_kv_cache else ("_allocate_kv_cache_tensors", "_reshape_kv_cache_tensors")
 )
 MODULE_SEAMS = ("allocate_kv_cache",) if CAPS.allocate_kv_cache else ()
-# Model Runner V2's names (0.26-0.28): (module, attribute)
+# Model Runner V2's names where kvcached serves it: (owner, attribute)
 V2_SEAMS: tuple[tuple[object, str], ...] = ()
 if CAPS.model_runner_v2:
     from vllm.v1.worker import gpu_worker
     from vllm.v1.worker.gpu import attn_utils
     from vllm.v1.worker.gpu import model_runner as model_runner_v2
 
-    V2_SEAMS = ((attn_utils, "_allocate_kv_cache"), (attn_utils, "_reshape_kv_cache"),
-                (model_runner_v2, "copy_kv_cache_blocks_inplace"), (gpu_worker, "warmup_kernels"))
+    V2_SEAMS = (((attn_utils, "allocate_kv_cache"),) if CAPS.allocate_kv_cache  # 0.29+
+                else ((attn_utils, "_allocate_kv_cache"), (attn_utils, "_reshape_kv_cache")))
+    if CAPS.v2_profiling_cache:
+        from vllm.v1.worker.gpu import cudagraph_utils
+
+        V2_SEAMS += ((cudagraph_utils, "_init_minimal_kv_cache_for_profiling"),)
+    V2_SEAMS += ((model_runner_v2, "copy_kv_cache_blocks_inplace"), (gpu_worker, "warmup_kernels"))
+    if CAPS.v2_warmup_before_capture:
+        V2_SEAMS += ((gpu_worker.Worker, "compile_or_warm_up_model"),)
+if not CAPS.model_runner_v2 or CAPS.hisparse:  # the runner decision: V2 refused, or HiSparse
+    from vllm.config import VllmConfig
+
+    V2_SEAMS += ((VllmConfig, "use_v2_model_runner"),)
 # a supported series whose worker seams this vLLM does not have
 OTHER = capabilities_for("0.28.0" if CAPS.allocate_kv_cache else "0.29.0")
 
@@ -63,7 +74,8 @@ def test_install_uninstall_restores_exact_originals(clean: None, monkeypatch: py
     _install(monkeypatch, enabled=True)
     after = _originals()
     assert all(a is not b for a, b in zip(after, before))
-    assert all(a.__wrapped__ is b for a, b in zip(after, before))  # type: ignore[attr-defined]
+    # a property (the runner decision) wraps its getter
+    assert all(getattr(a, "fget", a).__wrapped__ is getattr(b, "fget", b) for a, b in zip(after, before))
     assert worker.is_enabled() and worker.installed_capabilities() == CAPS
     worker.install(CAPS)  # idempotent: nothing re-wrapped
     assert _originals() == after

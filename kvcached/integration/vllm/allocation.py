@@ -33,6 +33,14 @@ with ``_reshape_kv_cache_tensors`` (`view_meta`) after it
     serves both); layers that share another layer's KV (``shared_layers``) get no tensor, as in
     vLLM. V2 builds no minimal profiling cache (its ``profile_cudagraph_memory`` is 0).
 
+``vllm.v1.worker.gpu.attn_utils.allocate_kv_cache`` (Model Runner V2, 0.29+)
+    The name V2's ``init_kv_cache`` imported from ``vllm.v1.worker.utils``: the same wrapper
+    as V1's 0.29 name, so both runners' views come from one definition. V2 aliases shared
+    layers and binds the views itself after the call (0.32 also maps them to kernel blocks,
+    from the returned views); ``runner.kv_caches``, which its block copy reads, holds the
+    returned views with their byte-page metadata. Its minimal profiling cache is marked by
+    ``gpu.cudagraph_utils._init_minimal_kv_cache_for_profiling``, as V1's below.
+
 ``GPUModelRunner._init_minimal_kv_cache_for_profiling`` (every series)
     Marks the minimal KV cache vLLM builds to profile CUDA-graph memory. Dummy runs write
     into it before any pool exists, so it must be ordinary memory: while the mark is set
@@ -261,16 +269,29 @@ def seams(caps: Capabilities) -> list[Seam]:
         ]
     profiling = require_own(runner, "_init_minimal_kv_cache_for_profiling")
     return [*allocation, (runner, "_init_minimal_kv_cache_for_profiling", _wrap_profiling(profiling)),
-            *(_v2_seams() if caps.model_runner_v2 else [])]
+            *(_v2_seams(caps) if caps.model_runner_v2 else [])]
 
 
-def _v2_seams() -> list[Seam]:
-    """Model Runner V2 (0.26-0.28): its module functions that allocate and reshape KV tensors.
-    (V2 measures no CUDA-graph memory with a minimal KV cache: ``profile_cudagraph_memory``
-    returns 0, so there is no profiling mark to set.)"""
+def _v2_seams(caps: Capabilities) -> list[Seam]:
+    """Model Runner V2's allocation names. 0.26-0.28: its module functions that allocate and
+    reshape KV tensors (it measures no CUDA-graph memory on a minimal KV cache there:
+    ``profile_cudagraph_memory`` returns 0). 0.29+: the ``allocate_kv_cache`` its
+    ``init_kv_cache`` imported (the same wrapper as V1's name), and the profiling mark on
+    ``cudagraph_utils._init_minimal_kv_cache_for_profiling`` (``v2_profiling_cache``)."""
     from vllm.v1.worker.gpu import attn_utils
 
-    return [
-        (attn_utils, "_allocate_kv_cache", _wrap_allocate_v2(require_own(attn_utils, "_allocate_kv_cache"))),
-        (attn_utils, "_reshape_kv_cache", wrap_reshape_v2(require_own(attn_utils, "_reshape_kv_cache"))),
-    ]
+    if not caps.allocate_kv_cache:
+        return [
+            (attn_utils, "_allocate_kv_cache", _wrap_allocate_v2(require_own(attn_utils, "_allocate_kv_cache"))),
+            (attn_utils, "_reshape_kv_cache", wrap_reshape_v2(require_own(attn_utils, "_reshape_kv_cache"))),
+        ]
+    from vllm.v1.worker import utils
+
+    plan: list[Seam] = [(attn_utils, "allocate_kv_cache",
+                         _wrap_allocate_views(require_vllm_helper(attn_utils, "allocate_kv_cache", utils)))]
+    if caps.v2_profiling_cache:
+        from vllm.v1.worker.gpu import cudagraph_utils
+
+        name = "_init_minimal_kv_cache_for_profiling"
+        plan.append((cudagraph_utils, name, _wrap_profiling(require_own(cudagraph_utils, name))))
+    return plan

@@ -26,21 +26,31 @@ cpu_warmup_decision       0.30+        ``CPUWorker._should_warm_up_model()`` dec
 request_memory_external   0.32+        ``request_memory(init_snapshot, cache_config,
                                        external_weight_memory)``: the share excludes
                                        weights held outside the process
-model_runner_v2           0.26-0.28    kvcached serves Model Runner V2: its KV comes from
-                                       ``gpu.attn_utils._allocate_kv_cache`` and
-                                       ``_reshape_kv_cache``, its copies from
-                                       ``gpu.model_runner.copy_kv_cache_blocks_inplace``
-                                       and its warm-up from ``gpu_worker.warmup_kernels``
-                                       (`runner_v2`). From 0.29 V2 allocates through
-                                       ``allocate_kv_cache`` and remaps kernel blocks
-                                       (0.32); not drafted yet, so V2 is refused by name
+model_runner_v2           0.26-0.28,   kvcached serves Model Runner V2 (`runner_v2`): its KV
+                          0.29-0.32    comes from ``gpu.attn_utils._allocate_kv_cache`` and
+                          on trial     ``_reshape_kv_cache`` (0.26-0.28) or, through the
+                                       name its ``init_kv_cache`` imported, from
+                                       ``allocate_kv_cache`` (0.29+); its copies from
+                                       ``gpu.model_runner.copy_kv_cache_blocks_inplace``,
+                                       its warm-up from ``gpu_worker.warmup_kernels``.
+                                       0.29-0.32: drafted from each wheel's source, no
+                                       engine has run them (V2 needs Triton, and the GPU
+                                       host has 0.26): served only on trial (`TRIAL_ROWS`)
+v2_profiling_cache        0.29+        V2 profiles CUDA-graph memory on a minimal KV cache
+                                       (``gpu.cudagraph_utils``
+                                       ``._init_minimal_kv_cache_for_profiling``)
+v2_warmup_before_capture  0.30+        the worker runs V2's ``warmup_kernels`` before
+                                       CUDA-graph capture, which then reads the block
+                                       tables the warm-up left (0.26-0.29: after capture)
+hisparse                  0.30+        ``attention_config.hisparse_config`` (V2 only)
+                                       allocates KV through ``init_hisparse_kv_cache``,
+                                       past ``allocate_kv_cache``: refused by name
 ========================  ===========  ==================================================
 
 Also from 0.30: ``BlockPool`` gains ``unpin_blocks``, reuse watchers and frees routed to
-another pool. Their only caller is HiSparse, which vLLM runs on Model Runner V2 only, and
-kvcached refuses V2 from 0.29 (`kvcached.integration.vllm.runner_v2`, the
-``use_v2_model_runner`` seam); `ElasticBlockPool.unpin_blocks` refuses by name should any
-other path ever call it.
+another pool. Their only caller is HiSparse, which kvcached refuses at start-up
+(`kvcached.integration.vllm.runner_v2`, the ``use_v2_model_runner`` seam);
+`ElasticBlockPool.unpin_blocks` refuses by name should any other path ever call it.
 
 From 0.34 (`UNSERVED`): Model Runner V1 is gone, and vLLM backs the KV cache with its own
 virtual memory (``--enable-extensible-kv-cache``, on by default on CUDA). Such a release is
@@ -88,10 +98,15 @@ SUPPORTED: tuple[Series, Series] = ((0, 26), (0, 32))
 TRIAL: Series = (0, 32)
 #: ``1`` accepts a release on trial (the compat session sets it); unset or ``0``: refused.
 TRIAL_ENV = "KVCACHED_VLLM_TRIAL"
+#: field -> the series on which it holds only on trial (``KVCACHED_VLLM_TRIAL=1``): rows drafted
+#: from the wheels' source that no engine has run yet. Without trial the field is false there.
+TRIAL_ROWS: dict[str, tuple[Series, Series]] = {
+    "model_runner_v2": ((0, 29), (0, 32)),
+}
 #: The first series refused by name, and why (read from its wheel; no engine ran it yet).
 UNSERVED: tuple[Series, str] = (
     (0, 34),
-    ("from 0.34 vLLM has Model Runner V2 only (kvcached serves V2 on 0.26-0.28) and backs the KV "
+    ("from 0.34 vLLM has Model Runner V2 only (kvcached's V2 seams reach 0.32) and backs the KV "
      "cache with its own virtual memory (--enable-extensible-kv-cache, on by default on CUDA), "
      "which kvcached must switch off and allocate around; docs/vllm-0.34.md says how, and no "
      "engine has run it yet"),
@@ -116,6 +131,15 @@ class Capabilities:
     cpu_warmup_decision: bool
     request_memory_external: bool
     model_runner_v2: bool
+    v2_profiling_cache: bool
+    v2_warmup_before_capture: bool
+    hisparse: bool
+
+    def drafted(self, name: str) -> bool:
+        """Whether row ``name`` is drafted on this series: it holds there on trial only
+        (`TRIAL_ROWS`), whether or not this process asked for trial."""
+        rows = TRIAL_ROWS.get(name)
+        return rows is not None and rows[0] <= self.series <= rows[1]
 
 
 # field -> first series that has it; it holds through the end of SUPPORTED unless `_LAST` ends it.
@@ -126,11 +150,12 @@ _FIRST: dict[str, Series] = {
     "cpu_warmup_decision": (0, 30),
     "request_memory_external": (0, 32),
     "model_runner_v2": (0, 26),
+    "v2_profiling_cache": (0, 29),
+    "v2_warmup_before_capture": (0, 30),
+    "hisparse": (0, 30),
 }
-# field -> last series that has it (rows that end).
-_LAST: dict[str, Series] = {
-    "model_runner_v2": (0, 28),
-}
+# field -> last series that has it (rows that end; none now).
+_LAST: dict[str, Series] = {}
 
 
 def _range_text() -> str:
@@ -174,7 +199,8 @@ def capabilities_for(version: str, trial: bool = False) -> Capabilities:
     """The capabilities of vLLM ``version``; `IntegrationError` if unsupported or unparsable.
 
     ``trial`` also accepts a series after `SUPPORTED` up to `TRIAL` (its rows read from the
-    wheel's source, its compat row not in yet), with a warning.
+    wheel's source, its compat row not in yet), with a warning, and turns on the rows drafted
+    for this series (`TRIAL_ROWS`).
     """
     series = parse_series(version)
     lo, hi = SUPPORTED
@@ -192,6 +218,8 @@ def capabilities_for(version: str, trial: bool = False) -> Capabilities:
                 if hi < series <= TRIAL else "")
         )
     flags = {name: first <= series <= _LAST.get(name, series) for name, first in _FIRST.items()}
+    for name, (lo_row, hi_row) in TRIAL_ROWS.items():
+        flags[name] = flags[name] and (trial or not lo_row <= series <= hi_row)
     return Capabilities(version=version, series=series, **flags)
 
 

@@ -1,26 +1,34 @@
 """Model Runner V2: the runner decision, and V2's warm-up over kvcached's ranges.
 
 V2 (``vllm/v1/worker/gpu/``) is what vLLM picks by default on CUDA for dense models. Where
-kvcached serves it (``Capabilities.model_runner_v2``, 0.26-0.28), its KV tensors, views and
-block copies go through the same seams as V1's (`allocation`, `view_meta`, `copies`), and this
-module adds what only V2 does. Elsewhere (0.29+), V2 is refused by name.
+kvcached serves it (``Capabilities.model_runner_v2``: 0.26-0.28, and 0.29-0.32 on trial), its
+KV tensors, views and block copies go through the same seams as V1's (`allocation`,
+`view_meta`, `copies`), and this module adds what only V2 does. Elsewhere V2 is refused by name.
 
-``VllmConfig.use_v2_model_runner`` (every series)
+``VllmConfig.use_v2_model_runner`` (where kvcached does not serve V2, or HiSparse exists)
     vLLM's one decision between the runners, a property read while the engine's config is
-    validated. On a series where kvcached does not serve V2, a decision for V2 raises
-    `IntegrationError` naming ``VLLM_USE_V2_MODEL_RUNNER=0`` (`V2_REFUSAL`) while kvcached
-    acts: V2 there allocates through names the seams do not reach
-    (``docs/model-runner-v2.md``). Elsewhere it answers exactly as vLLM's.
+    validated and again as each worker starts. A decision for V2 while kvcached acts raises
+    `IntegrationError` (`v2_refusal`) where kvcached does not serve V2, naming
+    ``VLLM_USE_V2_MODEL_RUNNER=0`` (and, where the V2 rows are drafted, the trial switch), and
+    wherever HiSparse is configured (0.30+: it allocates KV through ``init_hisparse_kv_cache``,
+    past the allocation seam, and keeps host-tier blocks kvcached's pool does not know).
+    Otherwise it answers exactly as vLLM's.
 
-``vllm.v1.worker.gpu_worker.warmup_kernels`` (0.26-0.28; V2 only)
+``vllm.v1.worker.gpu_worker.warmup_kernels`` (V2 only)
     V2 compiles its kernels with two real steps of dummy requests whose blocks vLLM numbers
     1, 2, ... itself, with no block pool (``gpu/warmup.py``). Over kvcached's ranges only the
     null block's page is mapped then, so a kernel writing those blocks would fault. The seam
     gives vLLM's function a step that first maps the kv pages of every block its scheduler
     output names (`WarmupPages`), through the rank's own page protocol (`RankPages.handle`,
-    charged to its budget slot like any map), and unmaps them when warm-up returns or raises.
+    charged to its budget slot like any map).
 
-Invariants: the refusal comes at start-up, before any worker, runner or KV tensor exists, so
+``gpu_worker.Worker.compile_or_warm_up_model`` (0.30+, ``v2_warmup_before_capture``)
+    From 0.30 the worker warms V2 up *before* CUDA-graph capture, and capture runs the model
+    on the block tables the warm-up left. So there the lent pages stay mapped until the
+    worker's whole warm-up returns; on 0.26-0.29 (warm-up after capture) until
+    ``warmup_kernels`` returns. Either way they are unmapped before the scheduler exists.
+
+Invariants: the refusal comes at start-up, before any runner or KV tensor exists, so
 nothing is built; after warm-up the rank maps what it mapped before (the pool adopts exactly
 that), unless an unmap failed, which its books and the log name; disabled, every seam here is
 vLLM's own.
@@ -30,32 +38,44 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from kvcached.errors import DriverError, IntegrationError, PhysicalMemoryExhausted
 from kvcached.integration.vllm import install_state
 from kvcached.integration.vllm.capabilities import Capabilities
-from kvcached.integration.vllm.patching import Seam, own, require_vllm_helper
+from kvcached.integration.vllm.patching import Seam, own, require_own, require_vllm_helper
 from kvcached.integration.vllm.rank_kv import RankKv, rank_kv_of
 from kvcached.ranks import PageRequest
 
-__all__ = ["V2_REFUSAL", "WarmupPages", "scheduled_block_ids", "seams"]
+__all__ = ["HISPARSE_REFUSAL", "WarmupPages", "scheduled_block_ids", "seams", "v2_refusal"]
 
 _logger = logging.getLogger(__name__)
 
-V2_REFUSAL = (
-    "vLLM selected Model Runner V2 for this engine, and kvcached serves Model Runner V2 on vLLM "
-    "0.26-0.28 only (from 0.29 V2 allocates KV through functions kvcached does not patch yet: "
-    "docs/model-runner-v2.md). Set VLLM_USE_V2_MODEL_RUNNER=0 to run V1 with kvcached (features "
-    "that exist only in V2, such as watermark_config or HiSparse, keep V2 selected), or "
-    "KVCACHED_ENABLE=0 to run V2 without kvcached"
+HISPARSE_REFUSAL = (
+    "HiSparse (attention_config.hisparse_config) allocates the KV cache through "
+    "init_hisparse_kv_cache, past kvcached's allocation, and keeps blocks in a host tier kvcached's "
+    "pool does not track; kvcached does not serve it. Run it with KVCACHED_ENABLE=0"
 )
 
 
+def v2_refusal(caps: Capabilities) -> str:
+    """Why V2 is refused on ``caps``'s series, and what to do instead."""
+    where = "vLLM 0.26-0.28, and 0.29-0.32 on trial"
+    if caps.drafted("model_runner_v2"):
+        why = (f"on vLLM {caps.version} its V2 seams are drafted from the wheel's source and no engine has run "
+               "them yet; KVCACHED_VLLM_TRIAL=1 accepts them on trial")
+    else:
+        why = "this release allocates V2's KV through functions kvcached does not patch (docs/model-runner-v2.md)"
+    return (f"vLLM selected Model Runner V2 for this engine, and kvcached serves Model Runner V2 on {where}: "
+            f"{why}. Set VLLM_USE_V2_MODEL_RUNNER=0 to run V1 with kvcached (features that exist only in V2, "
+            "such as watermark_config, keep V2 selected), or KVCACHED_ENABLE=0 to run V2 without kvcached")
+
+
 # ---- the decision ---------------------------------------------------------------------------
-def _wrap_v2_decision(original: property) -> property:
-    """``VllmConfig.use_v2_model_runner`` that refuses V2 while kvcached acts (see the module)."""
+def _wrap_v2_decision(original: property, caps: Capabilities) -> property:
+    """``VllmConfig.use_v2_model_runner`` that refuses what kvcached does not serve (the module)."""
     decide = original.fget
     assert decide is not None
 
@@ -63,20 +83,23 @@ def _wrap_v2_decision(original: property) -> property:
     def use_v2_model_runner(self: Any) -> bool:
         v2 = bool(decide(self))
         if v2 and install_state.is_enabled():
-            raise IntegrationError(V2_REFUSAL)
+            if not caps.model_runner_v2:
+                raise IntegrationError(v2_refusal(caps))
+            if caps.hisparse and getattr(self.attention_config, "hisparse_config", None) is not None:
+                raise IntegrationError(HISPARSE_REFUSAL)
         return v2
 
     return property(use_v2_model_runner, original.fset, original.fdel, original.__doc__)
 
 
-def _refusal_seam() -> Seam:
+def _decision_seam(caps: Capabilities) -> Seam:
     from vllm.config import VllmConfig
 
     decision = own(VllmConfig, "use_v2_model_runner")
     if not isinstance(decision, property) or decision.fget is None:
         raise IntegrationError("vllm.config.VllmConfig.use_v2_model_runner is not the property kvcached "
                                "expects (vLLM's Model Runner V1/V2 decision)")
-    return (VllmConfig, "use_v2_model_runner", _wrap_v2_decision(decision))
+    return (VllmConfig, "use_v2_model_runner", _wrap_v2_decision(decision, caps))
 
 
 # ---- the warm-up ----------------------------------------------------------------------------
@@ -143,6 +166,11 @@ def _flat(entry: Any) -> Iterator[Any]:
     yield from entry if isinstance(entry, (list, tuple)) else (entry,)
 
 
+#: The `WarmupPages` of the worker's warm-up in progress on this thread (0.30+: it outlives
+#: ``warmup_kernels`` until ``compile_or_warm_up_model`` returns, CUDA-graph capture included).
+_scope = threading.local()
+
+
 def _wrap_warmup(original: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original)
     def warmup_kernels(model_runner: Any, worker_execute_model: Callable[[Any], Any],
@@ -151,7 +179,8 @@ def _wrap_warmup(original: Callable[..., None]) -> Callable[..., None]:
         if kv is None:
             original(model_runner, worker_execute_model, worker_sample_tokens)
             return
-        lease = WarmupPages(kv)
+        held: WarmupPages | None = getattr(_scope, "lease", None)
+        lease = held if held is not None and held.kv is kv else WarmupPages(kv)
 
         def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
             lease.cover(scheduled_block_ids(scheduler_output))
@@ -160,17 +189,44 @@ def _wrap_warmup(original: Callable[..., None]) -> Callable[..., None]:
         try:
             original(model_runner, execute_model, worker_sample_tokens)
         finally:
-            lease.release()
+            if lease is not held:
+                lease.release()
 
     return warmup_kernels
 
 
+def _wrap_compile_or_warm_up(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The worker's warm-up as the scope of the pages V2's warm-up lends (0.30+)."""
+
+    @functools.wraps(original)
+    def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        kv = _kv_of_runner(self.model_runner) if install_state.is_enabled() else None
+        if kv is None or getattr(_scope, "lease", None) is not None:
+            return original(self, *args, **kwargs)
+        _scope.lease = lease = WarmupPages(kv)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _scope.lease = None
+            lease.release()
+
+    return compile_or_warm_up_model
+
+
 def seams(caps: Capabilities) -> list[Seam]:
-    """V2's warm-up seam where kvcached serves V2, else the refusal; vLLM's shape checked."""
+    """V2's warm-up seams where kvcached serves V2; the decision where it refuses V2 or
+    HiSparse exists; vLLM's shape checked."""
+    plan = [_decision_seam(caps)] if not caps.model_runner_v2 or caps.hisparse else []
     if not caps.model_runner_v2:
-        return [_refusal_seam()]
+        return plan
     from vllm.v1.worker import gpu_worker
     from vllm.v1.worker.gpu import warmup
 
     original = require_vllm_helper(gpu_worker, "warmup_kernels", warmup)
-    return [(gpu_worker, "warmup_kernels", _wrap_warmup(original))]
+    plan.append((gpu_worker, "warmup_kernels", _wrap_warmup(original)))
+    if caps.v2_warmup_before_capture:
+        # Not exclusive: CPUWorker overrides it, and runs no V2 (which needs Triton) and no warm-up.
+        worker = gpu_worker.Worker
+        warm_up = require_own(worker, "compile_or_warm_up_model", exclusive=False)
+        plan.append((worker, "compile_or_warm_up_model", _wrap_compile_or_warm_up(warm_up)))
+    return plan

@@ -11,9 +11,11 @@ and `install` replaces these attributes, each restored exactly by `uninstall`:
 * `copies`: ``vllm.v1.worker.gpu_model_runner.copy_kv_cache_blocks_inplace``;
 * `capacity`: ``vllm.v1.worker.gpu_worker.request_memory``, ``Worker.determine_available_memory``
   and, on the CPU platform, ``CPUWorker.determine_available_memory``;
-* `runner_v2`: Model Runner V2, where kvcached serves it (0.26-0.28; ``Capabilities.model_runner_v2``):
-  ``vllm.v1.worker.gpu_worker.warmup_kernels``, with V2's allocation, reshape and copy names in
-  `allocation` and `copies`; elsewhere ``VllmConfig.use_v2_model_runner``, which refuses V2.
+* `runner_v2`: Model Runner V2, where kvcached serves it (0.26-0.28, and 0.29-0.32 on trial;
+  ``Capabilities.model_runner_v2``): ``vllm.v1.worker.gpu_worker.warmup_kernels`` and, from
+  0.30, ``Worker.compile_or_warm_up_model`` (the warm-up's scope), with V2's allocation and copy
+  names in `allocation` and `copies`; ``VllmConfig.use_v2_model_runner`` where V2 is refused or
+  HiSparse exists.
 
 Behind them: `backings` opens and registers the virtual ranges, `rank_kv` finds a rank's
 KV space by the address of its tensors, and `engine_config` hands the engine's
