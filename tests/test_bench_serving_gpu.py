@@ -58,7 +58,10 @@ def test_a_gpu_report_names_its_setup_and_the_runner() -> None:
     assert "random dataset 1024 in / 256 out" in bs._method(doc) and "max-model-len 4096" in bs._method(doc)
     assert bs._server_line(doc, "1b").endswith("Model Runner (from each server's log): V2.")
     cpu = {"rounds": 5, "servers": []}  # saved before setups existed: a CPU run, its method text unchanged
-    assert bs._method(cpu) == bs.METHOD.format(rounds=5)
+    assert bs._method(cpu) == bs.METHOD.format(rounds=5, threads="vLLM's CPU thread defaults")
+    now = {"rounds": 5, "setup": bs.asdict(bs.SETUPS["cpu"]), "servers": []}  # CPU runs from 12-05
+    assert "seed 0, OMP_NUM_THREADS=1 in every server process (VLLM_CPU_OMP_THREADS_BIND=nobind)" in bs._method(now)
+    assert "OMP_NUM_THREADS" not in bs._method(doc)  # on a GPU the threads are vLLM's choice
 
 
 def _result(scale: float) -> dict[str, float]:
