@@ -67,6 +67,16 @@ def test_drafted_rows_hold_on_trial_only_and_say_so() -> None:
         assert not capabilities_for(version).model_runner_v2 and capabilities_for(version, trial=True).model_runner_v2
 
 
+def test_a_drafted_row_accepted_on_trial_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    capabilities_for("0.30.0")
+    assert "drafted" not in caplog.text
+    capabilities_for("0.30.0", trial=True)
+    assert "on vLLM 0.30.0 the capability rows model_runner_v2 are drafted" in caplog.text
+    caplog.clear()
+    capabilities_for("0.28.0", trial=True)
+    assert "drafted" not in caplog.text
+
+
 @pytest.mark.parametrize("version", ["0.25.2", "0.23.0", "0.9.2", "0.33.0", "1.0.0", "0.33.0+cpu", "2"])
 def test_unsupported_versions_name_the_supported_range(version: str) -> None:
     with pytest.raises(IntegrationError, match=r"supports vLLM 0\.26 to 0\.32\. .*nox -s compat -- "):

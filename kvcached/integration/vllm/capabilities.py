@@ -218,8 +218,12 @@ def capabilities_for(version: str, trial: bool = False) -> Capabilities:
                 if hi < series <= TRIAL else "")
         )
     flags = {name: first <= series <= _LAST.get(name, series) for name, first in _FIRST.items()}
-    for name, (lo_row, hi_row) in TRIAL_ROWS.items():
-        flags[name] = flags[name] and (trial or not lo_row <= series <= hi_row)
+    drafted = [name for name, (lo_row, hi_row) in TRIAL_ROWS.items() if flags[name] and lo_row <= series <= hi_row]
+    for name in drafted:
+        flags[name] = trial
+    if trial and drafted:
+        _logger.warning("kvcached: on vLLM %s the capability rows %s are drafted from its wheel's source and "
+                        "accepted on trial (%s=1): no engine has run them yet", version, ", ".join(drafted), TRIAL_ENV)
     return Capabilities(version=version, series=series, **flags)
 
 
