@@ -487,6 +487,10 @@ class BudgetRecord:
 
     # ---- reading ------------------------------------------------------------------------
     def _read(self) -> _State:
+        return self._state_of(self._read_bytes())
+
+    def _read_bytes(self) -> bytes:
+        """The record's bytes, after checking the file is the user's private regular file."""
         st = os.fstat(self._fd)
         if not stat.S_ISREG(st.st_mode):
             raise BudgetRecordError(f"budget record {self.path} is not a regular file")
@@ -496,7 +500,10 @@ class BudgetRecord:
         if stat.S_IMODE(st.st_mode) & 0o077:
             raise BudgetRecordError(f"budget record {self.path} has mode {stat.S_IMODE(st.st_mode):o}; it must be "
                                     "private to its user (0600)")
-        data = os.pread(self._fd, RECORD_BYTES + 1, 0)
+        return os.pread(self._fd, RECORD_BYTES + 1, 0)
+
+    def _state_of(self, data: bytes) -> _State:
+        """``data`` decoded (the last decoding reused for the same bytes), as a copy to change."""
         if self._decoded is None or data != self._decoded[0]:
             self._decoded = (data, _decode(data, self.path))  # the same bytes decode the same
         return self._decoded[1].copy()
@@ -518,11 +525,15 @@ class BudgetRecord:
         with self._lock:
             fcntl.flock(self._fd, fcntl.LOCK_SH)
             try:
-                state = self._read()
-                if not include_dead:
-                    self._drop_dead(state)
+                data = self._read_bytes()
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
+            # A reader (kvtop, kvctl, a sampler) holds the shared lock for one read only: every
+            # engine's next charge waits for it. Decoding, and liveness (each entry's own byte
+            # lock, not the record's), come after it is gone.
+            state = self._state_of(data)
+            if not include_dead:
+                self._drop_dead(state)
         return state.snapshot(self.path)
 
     def current(self) -> Snapshot | None:
