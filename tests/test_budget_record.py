@@ -596,3 +596,45 @@ def test_local_budget_is_the_same_protocol() -> None:
     s.map_pages([2])
     s.unmap_pages([0, 1, 2])
     assert budget.used == 0
+
+
+def test_a_reader_slow_in_its_liveness_queries_holds_no_charge_back(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader (kvtop, kvctl, a test's sampler) starved while it asks each entry's liveness
+    must not hold the record: an engine's charge goes through meanwhile. The reader's liveness
+    query is held on a gate (the seam ``_held_elsewhere``, for the reader's thread only); with the
+    shared lock kept across those queries the charge waited for the gate (the sharing scenario
+    beside a CPU hog, 12-05: an engine admitted nothing for 13 s)."""
+    import threading
+
+    path = tmp_path / "host.budget"
+    engine = BudgetRecord(str(path), limit=1 << 20)
+    slot = engine.slot(rank=0, device="cpu", label="engine")
+    assert slot.charge(PAGE)
+    reader = BudgetRecord(str(path), create=False)
+    gate, asking = threading.Event(), threading.Event()
+    held_elsewhere = kb._held_elsewhere
+
+    def slow(fd: int, offset: int) -> bool:
+        if threading.current_thread().name == "reader":
+            asking.set()
+            gate.wait(TIMEOUT)
+        return held_elsewhere(fd, offset)
+
+    monkeypatch.setattr(kb, "_held_elsewhere", slow)
+    seen: list[int] = []
+    read = threading.Thread(target=lambda: seen.append(reader.snapshot().used), name="reader")
+    read.start()
+    try:
+        assert asking.wait(TIMEOUT)
+        charged = threading.Thread(target=lambda: seen.append(int(slot.charge(PAGE))), name="engine")
+        charged.start()
+        charged.join(TIMEOUT)
+        assert not charged.is_alive() and seen == [1], "the charge waited for the reader"
+    finally:
+        gate.set()
+        read.join(TIMEOUT)
+    assert seen == [1, PAGE] or seen == [1, 2 * PAGE]  # the reader's view: before or after the charge
+    assert slot.charged == 2 * PAGE
+    reader.close()
+    engine.close()
