@@ -55,6 +55,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from conformance.models import FIRST_FREE_TOKEN, VOCAB_SIZE, ensure_model, model_spec
 from conformance.serving import retrial
@@ -202,6 +203,12 @@ def send_burst(server: Server, batch: Sequence[Sequence[int]], max_tokens: int) 
 
 
 # ---- observing the record -----------------------------------------------------------------------
+def engine_charge(snap: Any, name: str) -> int:
+    """The bytes engine ``name`` holds charged in a record's snapshot (0: no live row)."""
+    row = snap.engine(name)
+    return int(snap.charge_of(row)) if row is not None else 0
+
+
 class Sampler(threading.Thread):
     """Reads the budget record every 1/``hz`` s: each engine's charge, usage and the limit."""
 
@@ -217,10 +224,7 @@ class Sampler(threading.Thread):
         with BudgetRecord(str(self.record), create=False) as rec:
             while not self.halt.wait(self.period):
                 snap = rec.snapshot()
-                per = []
-                for label in ("A", "B"):
-                    row = snap.engine(self.names[label])
-                    per.append(snap.charge_of(row) if row is not None else 0)
+                per = [engine_charge(snap, self.names[label]) for label in ("A", "B")]
                 self.rows.append([round(time.monotonic() - self.t0, 3), *per, snap.used, snap.limit or 0])
 
     def latest(self, label: str) -> int:
@@ -366,9 +370,7 @@ class Stage:
         seen = 0
         with BudgetRecord(str(self.record), create=False) as rec:
             while seen <= above and not running.done():
-                snap = rec.snapshot()
-                row = snap.engine(self.names[engine])
-                seen = max(seen, snap.charge_of(row) if row is not None else 0)
+                seen = max(seen, engine_charge(rec.snapshot(), self.names[engine]))
                 time.sleep(0.01)
         return seen
 

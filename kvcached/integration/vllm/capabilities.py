@@ -138,8 +138,12 @@ class Capabilities:
     def drafted(self, name: str) -> bool:
         """Whether row ``name`` is drafted on this series: it holds there on trial only
         (`TRIAL_ROWS`), whether or not this process asked for trial."""
-        rows = TRIAL_ROWS.get(name)
-        return rows is not None and rows[0] <= self.series <= rows[1]
+        return _drafted(name, self.series)
+
+
+def _drafted(name: str, series: Series) -> bool:
+    rows = TRIAL_ROWS.get(name)
+    return rows is not None and rows[0] <= series <= rows[1]
 
 
 # field -> first series that has it; it holds through the end of SUPPORTED unless `_LAST` ends it.
@@ -218,7 +222,7 @@ def capabilities_for(version: str, trial: bool = False) -> Capabilities:
                 if hi < series <= TRIAL else "")
         )
     flags = {name: first <= series <= _LAST.get(name, series) for name, first in _FIRST.items()}
-    drafted = [name for name, (lo_row, hi_row) in TRIAL_ROWS.items() if flags[name] and lo_row <= series <= hi_row]
+    drafted = [name for name in TRIAL_ROWS if flags[name] and _drafted(name, series)]
     for name in drafted:
         flags[name] = trial
     if trial and drafted:

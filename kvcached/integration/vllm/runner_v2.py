@@ -61,16 +61,13 @@ HISPARSE_REFUSAL = (
 
 
 def v2_refusal(caps: Capabilities) -> str:
-    """Why V2 is refused on ``caps``'s series, and what to do instead."""
-    where = "vLLM 0.26-0.28, and 0.29-0.32 on trial"
-    if caps.drafted("model_runner_v2"):
-        why = (f"on vLLM {caps.version} its V2 seams are drafted from the wheel's source and no engine has run "
-               "them yet; KVCACHED_VLLM_TRIAL=1 accepts them on trial")
-    else:
-        why = "this release allocates V2's KV through functions kvcached does not patch (docs/model-runner-v2.md)"
-    return (f"vLLM selected Model Runner V2 for this engine, and kvcached serves Model Runner V2 on {where}: "
-            f"{why}. Set VLLM_USE_V2_MODEL_RUNNER=0 to run V1 with kvcached (features that exist only in V2, "
-            "such as watermark_config, keep V2 selected), or KVCACHED_ENABLE=0 to run V2 without kvcached")
+    """Why V2 is refused on ``caps``'s series (one whose V2 rows are drafted, run without
+    trial: the only series in the supported range where kvcached does not serve V2)."""
+    return (f"vLLM selected Model Runner V2 for this engine, and kvcached serves Model Runner V2 on vLLM "
+            f"0.26-0.28, and 0.29-0.32 on trial: on vLLM {caps.version} its V2 seams are drafted from the "
+            "wheel's source and no engine has run them yet; KVCACHED_VLLM_TRIAL=1 accepts them on trial. Set "
+            "VLLM_USE_V2_MODEL_RUNNER=0 to run V1 with kvcached (features that exist only in V2, such as "
+            "watermark_config, keep V2 selected), or KVCACHED_ENABLE=0 to run V2 without kvcached")
 
 
 # ---- the decision ---------------------------------------------------------------------------
