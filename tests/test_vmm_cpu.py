@@ -511,3 +511,70 @@ def test_matches_a_set_model(ops: list[tuple[str, list[int]]], limit_pages: int)
         assert budget.used == len(model) * OS_PAGE
     space.unmap_pages(sorted(model))
     assert budget.used == 0
+
+
+# ---- map_each / unmap_each: a batch over several ranges, one GIL release per native run ----
+
+
+def _ranges(n: int, pages: int = 4) -> list[_vmm.VirtualRange]:
+    page = _vmm.os_page_size()
+    return [_vmm.VirtualRange("cpu", pages * page, page) for _ in range(n)]
+
+
+def test_map_each_maps_every_plan_and_unmap_each_gives_it_back() -> None:
+    from kvcached.memory import map_each, unmap_each
+
+    ranges = _ranges(3)
+    assert map_each(ranges, [[0, 1], [2], []]) == 3
+    assert [r.mapped_pages() for r in ranges] == [[0, 1], [2], []]
+    unmap_each(ranges, [[0, 1], [2], []])
+    assert all(r.num_mapped == 0 for r in ranges)
+
+
+def test_map_each_stops_at_the_first_failure_and_says_how_far_it_got() -> None:
+    """Range 1 refuses (page 0 is mapped there already): range 0 keeps the batch, range 1 is
+    as it was, range 2 was never touched; ``mapped_ranges`` says 1 for the caller's undo."""
+    from kvcached.memory import map_each
+
+    ranges = _ranges(3)
+    ranges[1].map([0])
+    with pytest.raises(InvariantError, match="already mapped") as info:
+        map_each(ranges, [[0, 1], [0, 1], [0, 1]])
+    assert info.value.mapped_ranges == 1  # type: ignore[attr-defined]
+    assert [r.mapped_pages() for r in ranges] == [[0, 1], [0], []]
+
+
+def test_map_each_over_a_fault_seam_between_native_ranges() -> None:
+    """Native runs and a `FailingRange` alone: the seam's failure comes after the native run
+    before it and stops the run after it."""
+    from kvcached.faults import FailingRange
+    from kvcached.memory import map_each
+
+    native = _ranges(3)
+    seam = FailingRange(native[1])
+    seam.fail_call("map", 1, BackendError("planted"))
+    ranges = [native[0], seam, native[2]]
+    with pytest.raises(BackendError, match="planted") as info:
+        map_each(ranges, [[1], [1], [1]])
+    assert info.value.mapped_ranges == 1  # type: ignore[attr-defined]
+    assert [r.mapped_pages() for r in native] == [[1], [], []]
+    assert map_each(ranges, [[2], [2], [2]]) == 3  # the seam recovered: every range maps
+
+
+def test_unmap_each_tries_every_range_and_raises_the_first_error() -> None:
+    from kvcached.memory import map_each, unmap_each
+
+    ranges = _ranges(3)
+    map_each(ranges, [[0], [0], [0]])
+    with pytest.raises(InvariantError, match="not mapped"):
+        unmap_each(ranges, [[0], [1], [0]])  # range 1 refuses; ranges 0 and 2 still unmap
+    assert [r.mapped_pages() for r in ranges] == [[], [0], []]
+
+
+def test_map_each_refuses_plans_that_do_not_match_the_ranges() -> None:
+    ranges = _ranges(2)
+    with pytest.raises(ConfigError, match="2 ranges but 1 page lists"):
+        _vmm.map_each(ranges, [[0]], [])
+    with pytest.raises(ConfigError, match="2 ranges but 3 page lists"):
+        _vmm.unmap_each(ranges, [[0], [0], [0]])
+    assert all(r.num_mapped == 0 for r in ranges)
