@@ -38,9 +38,12 @@
 #   install            verify + install the bundle into $TARGET, build kvcached there
 #   chunk SECS ARGS    the CUDA conformance matrix (ARGS: --archetypes ... ) in the foreground, then pack
 #   fg SECS NAME CMD   any run in the foreground (log $R/NAME.log), then pack
+#   before             build the kvcached of .gpu/before.tar (`git archive REV pyproject.toml CMakeLists.txt
+#                      csrc kvcached README.md`) into $BEFORE/site: a run with PYTHONPATH=$BEFORE/site:$SITE:$WORK
+#                      measures that commit's kvcached beside this tree's (a before/after on one machine)
 #   pack               pack $R into $OUT (gpu-out.txz.NN, 15 MiB parts, KV snapshots left out)
 set -u
-STAGE=/tmp/kvc-stage; TARGET=/tmp/kvc; WORK=/tmp/kvc-repo; R=/tmp/gpu-out
+STAGE=/tmp/kvc-stage; TARGET=/tmp/kvc; WORK=/tmp/kvc-repo; R=/tmp/gpu-out; BEFORE=/tmp/kvc-before
 SITE=$TARGET/site
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=0
 
@@ -82,8 +85,12 @@ chunk)
     step conformance-$(date +%H%M%S) timeout -k 15 $secs python3 -m conformance --device cuda \
         --reports-dir $R/conformance --run-id h200 "$@"
     pkill -9 -f conformance.engine; sleep 1; cat $R/steps; pack ;;
+before)
+    rm -rf $BEFORE; mkdir -p $BEFORE/src; tar -C $BEFORE/src -xf .gpu/before.tar
+    python3 -m pip install -q --no-build-isolation --no-deps --no-index --target $BEFORE/site $BEFORE/src
+    echo "before rc=$?"; PYTHONPATH=$BEFORE/site:$SITE python3 -c "import kvcached.memory as m; print(m.__file__)" ;;
 pack)
     pack ;;
 *)
-    echo "usage: $0 stage | install | chunk SECS ARGS... | fg SECS NAME CMD... | pack" >&2; exit 2 ;;
+    echo "usage: $0 stage | install | before | chunk SECS ARGS... | fg SECS NAME CMD... | pack" >&2; exit 2 ;;
 esac
