@@ -3,8 +3,6 @@
 #include <pybind11/stl.h>
 
 #include <exception>
-#include <memory>
-#include <vector>
 
 #include "cpu_backend.h"
 #include "cuda_driver.h"
@@ -162,59 +160,6 @@ PYBIND11_MODULE(_vmm, m) {
            })
       .def("__repr__", &range_repr);
 
-  // Vectored map and unmap over several ranges (a kv page spans one range per layer): one
-  // GIL release for the whole batch instead of one per range. A thread that gets the GIL back
-  // after every driver call waits up to the interpreter's switch interval (5 ms) each time
-  // another thread is running Python, as the engine's scheduler and its I/O threads are; a
-  // refill of one kv page over 16 layers then took ~80 ms instead of ~1.5 ms (issue 30).
-  m.def(
-      "map_each",
-      [](const std::vector<std::shared_ptr<RangeState>>& ranges,
-         const std::vector<std::vector<std::int64_t>>& plans, py::list progress) {
-        if (ranges.size() != plans.size())
-          throw VmmError(VmmError::Kind::Config, "map_each: " + std::to_string(ranges.size()) + " ranges but " +
-                                                     std::to_string(plans.size()) + " page lists");
-        std::size_t done = 0;
-        std::exception_ptr error;
-        {
-          py::gil_scoped_release nogil;
-          try {
-            for (; done < ranges.size(); ++done) ranges[done]->map(plans[done]);
-          } catch (...) {
-            error = std::current_exception();
-          }
-        }
-        progress.append(done);
-        if (error) std::rethrow_exception(error);
-      },
-      py::arg("ranges"), py::arg("plans"), py::arg("progress"),
-      "Map plans[i] in ranges[i], in order, releasing the GIL once; stops at the first failure and "
-      "raises it. Appends to `progress` how many ranges mapped their pages (each range's own map is "
-      "all-or-nothing).");
-  m.def(
-      "unmap_each",
-      [](const std::vector<std::shared_ptr<RangeState>>& ranges,
-         const std::vector<std::vector<std::int64_t>>& plans) {
-        if (ranges.size() != plans.size())
-          throw VmmError(VmmError::Kind::Config, "unmap_each: " + std::to_string(ranges.size()) +
-                                                     " ranges but " + std::to_string(plans.size()) + " page lists");
-        std::exception_ptr first;
-        {
-          py::gil_scoped_release nogil;
-          for (std::size_t i = 0; i < ranges.size(); ++i) {
-            if (plans[i].empty()) continue;
-            try {
-              ranges[i]->unmap(plans[i]);
-            } catch (...) {
-              if (!first) first = std::current_exception();
-            }
-          }
-        }
-        if (first) std::rethrow_exception(first);
-      },
-      py::arg("ranges"), py::arg("plans"),
-      "Unmap plans[i] in ranges[i], releasing the GIL once; every range is tried even after one "
-      "fails, and the first error is raised after.");
   m.def("cuda_available", &kvcached::cuda::available, release_gil(),
         "True when libcuda.so.1 loads, cuInit succeeds and a device exists.");
   m.def("cuda_mem_info", &kvcached::cuda::mem_info, py::arg("device"), release_gil(),

@@ -8,7 +8,6 @@ without either installed.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcached.errors import ConfigError
@@ -85,67 +84,3 @@ def default_device_string() -> str:
     from kvcached import _vmm
 
     return "cuda:0" if _vmm.cuda_available() else "cpu"
-
-
-def _native_runs(ranges: Sequence[Any]) -> Iterator[tuple[int, int]]:
-    """``[i, j)`` spans of ``ranges``: a run of native ranges, or one other range (a fault seam's
-    `kvcached.faults.FailingRange`, a test's fake) alone."""
-    from kvcached._vmm import VirtualRange
-
-    i = 0
-    while i < len(ranges):
-        j = i
-        while j < len(ranges) and type(ranges[j]) is VirtualRange:
-            j += 1
-        yield (i, j) if j > i else (i, i + 1)
-        i = max(j, i + 1)
-
-
-def map_each(ranges: Sequence[Any], plans: Sequence[Sequence[int]]) -> int:
-    """Map ``plans[i]`` in ``ranges[i]``, in order; returns ``len(ranges)``.
-
-    The first failure stops it and is raised with ``mapped_ranges`` set on it: how many ranges
-    (a prefix) mapped their pages. The failing range's own map is all-or-nothing (whatever its
-    undo could not unmap stays recorded as mapped there), and no later range was touched.
-
-    Native ranges go to the driver in one call per run (`kvcached._vmm.map_each`), which
-    releases the GIL once: getting the GIL back after every driver call costs up to the
-    interpreter's switch interval each time another thread runs Python."""
-    from kvcached import _vmm
-
-    done = 0
-    try:
-        for i, j in _native_runs(ranges):
-            if j - i == 1 and type(ranges[i]) is not _vmm.VirtualRange:
-                ranges[i].map(list(plans[i]))
-                done = j
-                continue
-            progress: list[int] = []
-            try:
-                _vmm.map_each(list(ranges[i:j]), [list(p) for p in plans[i:j]], progress)
-            finally:
-                done = i + (progress[0] if progress else 0)
-    except BaseException as exc:
-        exc.mapped_ranges = done  # type: ignore[attr-defined]
-        raise
-    return done
-
-
-def unmap_each(ranges: Sequence[Any], plans: Sequence[Sequence[int]]) -> None:
-    """Unmap ``plans[i]`` in ``ranges[i]`` (empty plans skipped). Every range is tried even
-    after one fails; the first error is raised after. Native ranges go in one call per run,
-    releasing the GIL once (see `map_each`)."""
-    from kvcached import _vmm
-
-    first: BaseException | None = None
-    for i, j in _native_runs(ranges):
-        try:
-            if j - i == 1 and type(ranges[i]) is not _vmm.VirtualRange:
-                if plans[i]:
-                    ranges[i].unmap(list(plans[i]))
-            else:
-                _vmm.unmap_each(list(ranges[i:j]), [list(p) for p in plans[i:j]])
-        except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranges
-            first = first or exc
-    if first is not None:
-        raise first

@@ -61,7 +61,6 @@ from kvcached.config import KvcachedConfig
 from kvcached.errors import BackendError, ConfigError, DriverError, InvariantError, PhysicalMemoryExhausted
 from kvcached.faults import FaultInjector
 from kvcached.fence import StepFence
-from kvcached.memory import map_each, unmap_each
 from kvcached.policies import (
     FAILED_AFTER,
     MAX_RETRY_STEPS,
@@ -241,15 +240,20 @@ class PageSpace:
                 raise PhysicalMemoryExhausted(
                     f"physical budget exhausted mapping {len(kv_pages)} kv page(s) of {self.kv_page_bytes} bytes: "
                     f"{self.charger.available()} bytes available")
-        plans = [[v for page in kv_pages for v in self.vmm_pages(r, page)] for r in range(len(self.ranges))]
+        done: list[int] = []
+        partly: list[int] = []  # the backings that mapped the page in progress
         try:
-            map_each(self.ranges, plans)  # backing by backing, each all-or-nothing
-        except BaseException as exc:
-            done = getattr(exc, "mapped_ranges", 0)
+            for page in kv_pages:
+                partly = []
+                for r, vrange in enumerate(self.ranges):
+                    vrange.map(list(self.vmm_pages(r, page)))
+                    partly.append(r)
+                done.append(page)
+        except BaseException:
             try:
-                # Only what this call mapped: the whole batch, in the backings before the one
-                # that failed (that one undid itself; what it could not is still mapped there).
-                self._unmap_each([kv_pages if r < done else [] for r in range(len(self.ranges))])
+                # Only what this call mapped: the whole pages, and the page in progress in
+                # the backings that took it.
+                self._unmap_each([[*done, page] if r in partly else done for r in range(len(self.ranges))])
             finally:
                 if self.charger is not None:  # keep what is still mapped charged, refund the rest
                     self.charger.refund(charged - (self.mapped_bytes() - before))
@@ -293,7 +297,16 @@ class PageSpace:
             plan.append(wanted)
         if strict and (lost := sorted({p for pages in kv_pages for p in pages} - held)):
             raise InvariantError(f"kv pages {lost} are not mapped in any backing")
-        unmap_each(self.ranges, plan)
+        first: BaseException | None = None
+        for vrange, wanted in zip(self.ranges, plan, strict=True):
+            if not wanted:
+                continue
+            try:
+                vrange.unmap(wanted)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the other backings
+                first = first or exc
+        if first is not None:
+            raise first
 
     def physical_available(self) -> int:
         """Bytes this space could still map: the device's free memory, at most the budget's."""

@@ -43,7 +43,7 @@ def consistent(pool: PagePool, ranges: list[FailingRange], budget: LocalBudget) 
                                    PhysicalMemoryExhausted("out of memory")])
 def test_a_failure_in_the_middle_of_a_multi_page_map_maps_nothing(error: Exception) -> None:
     pool, ranges, budget = pool_over()
-    ranges[1].fail_call("map", 1, error)  # the second backing fails, the first has mapped the batch
+    ranges[1].fail_call("map", 3, error)  # kv page 3 fails in the second backing
     with pytest.raises(type(error)):
         pool.acquire([1, 2, 3])
     assert pool.mapped == set() and pool.in_use == set()
@@ -83,7 +83,7 @@ def test_the_ledger_never_chooses_a_block_on_a_quarantined_page() -> None:
 
 def test_a_driver_error_while_mapping_ahead_is_a_shortfall_not_an_exception() -> None:
     pool, ranges, budget = pool_over()
-    for nth in (1, 3):  # the batch, then page 2 alone (a backing maps a whole batch in one call)
+    for nth in (2, 4):  # page 2 in the batch, then page 2 alone
         ranges[0].fail_call("map", nth, DriverError("CUDA_ERROR_ILLEGAL_STATE", "CUDA_ERROR_ILLEGAL_STATE", 401))
     assert pool.prefetch([1, 2, 3]) == 1  # the batch fails, then page 1 alone maps, page 2 fails again
     assert pool.counters().map_failures == 2
@@ -94,7 +94,7 @@ def test_a_map_whose_undo_fails_too_quarantines_what_is_left_mapped() -> None:
     """The undo of a failed batch fails in another backing: the page it left mapped there
     must never look free (it would be mapped again: 'page is already mapped' forever after)."""
     pool, ranges, budget = pool_over()
-    ranges[1].fail_call("map", 1, DriverError("CUDA_ERROR_UNKNOWN", "CUDA_ERROR_UNKNOWN", 999))  # the batch
+    ranges[1].fail_call("map", 2, DriverError("CUDA_ERROR_UNKNOWN", "CUDA_ERROR_UNKNOWN", 999))  # page 2
     ranges[0].fail_call("unmap", 1, DriverError("CUDA_ERROR_UNKNOWN", "CUDA_ERROR_UNKNOWN", 999))  # its undo
     with pytest.raises(DriverError):
         pool.acquire([1, 2])
@@ -148,11 +148,11 @@ def test_a_map_whose_undo_fails_is_not_retried_as_exhaustion() -> None:
     pool = PagePool(pool.space, KvcachedConfig(page_size=PAGE, min_reserve_pages=0, max_reserve_pages=0,
                                                capacity_ttl_s=0.0, map_retries=2, retry_backoff_s=0.0),
                     fence=StepFence())
-    ranges[1].fail_call("map", 1, PhysicalMemoryExhausted("out of memory"))  # the batch
+    ranges[1].fail_call("map", 2, PhysicalMemoryExhausted("out of memory"))  # page 2
     ranges[0].fail_call("unmap", 1, PhysicalMemoryExhausted("out of memory"))  # its undo
     with pytest.raises(DriverError, match="quarantined"):
         pool.acquire([1, 2], wait=True)
-    assert pool.quarantined == {1, 2} and pool.in_use == set() and ranges[0].calls["map"] == 1
+    assert pool.quarantined == {1, 2} and pool.in_use == set() and ranges[0].calls["map"] == 2
     pool.collect()
     pool.acquire([1, 2], wait=True)
     consistent(pool, ranges, budget)
