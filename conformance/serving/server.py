@@ -168,8 +168,8 @@ class Server:
         """SIGTERM (what a service manager sends), then SIGKILL if it does not exit in time.
 
         Then the rest of its process group, and the shared-memory segments the group left
-        (vLLM's front end SIGKILLs EngineCore when stopped, so its message queues' segments,
-        hundreds of MiB of address each, would stay in /dev/shm after every server)."""
+        (an EngineCore SIGKILLed past `SHUTDOWN_GRACE_S`, or by a test, leaves its message
+        queues' segments, hundreds of MiB of address each, in /dev/shm)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -194,6 +194,13 @@ class Server:
             time.sleep(0.1)
 
 
+#: Seconds the front end gives EngineCore to exit after SIGTERM (vLLM's --shutdown-timeout).
+#: vLLM's default, 0, SIGKILLs EngineCore a few milliseconds after the SIGTERM, so its
+#: teardown (kvcached's shutdown line with the pool's counters among it) ran only when it won
+#: that race; on a loaded machine (CI, 12-05) it lost. With a grace the front end waits for it.
+SHUTDOWN_GRACE_S = 30
+
+
 def start_server(spec: ServerSpec, model_dir: Path, log_dir: Path, *, max_model_len: int = 1024,
                  kv_cache_bytes: int = 64 << 20) -> Server:
     """Launch one `vllm serve` for ``spec`` without waiting for it (``wait_healthy`` does)."""
@@ -204,7 +211,7 @@ def start_server(spec: ServerSpec, model_dir: Path, log_dir: Path, *, max_model_
            "--dtype", spec.dtype, "--block-size", "16", "--enable-prefix-caching",
            *(["--enforce-eager"] if spec.eager else []), "--seed", "0", "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_bytes),
            "--tensor-parallel-size", str(spec.tensor_parallel), *([] if spec.log_stats else ["--disable-log-stats"]),
-           *spec.extra_args]
+           "--shutdown-timeout", str(SHUTDOWN_GRACE_S), *spec.extra_args]
     shm_before = shared_memory_segments()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_server_env(spec),

@@ -66,7 +66,8 @@ def test_server_reports_kvcached_active_and_native_alone(served: dict[str, dict[
 
 def test_the_pool_logs_its_lifetime_counters_at_shutdown(served: dict[str, dict[str, object]]) -> None:
     """SIGTERM stops the server; EngineCore's shutdown logs the pool's counters once (what the
-    serving benchmark reads per server); a native server logs none."""
+    serving benchmark reads per server; it is there because the server has a shutdown grace,
+    `SHUTDOWN_GRACE_S`); a native server logs none."""
     (pool,) = parse_shutdown_lines(str(served["kvcached"]["log"]))
     assert pool["page_takes"] > 0 and pool["maps"] > 0 and pool["health"] == "healthy", pool  # type: ignore[operator]
     assert pool["reserve_hits"] <= pool["page_takes"]  # type: ignore[operator]
@@ -90,6 +91,11 @@ def test_concurrent_requests_stay_within_the_native_noise_floor(served: dict[str
 
 def test_servers_stop_on_sigterm(served: dict[str, dict[str, object]]) -> None:
     assert {side: r["exit"] for side, r in served.items()} == dict.fromkeys(served, 0)
+    # Within the grace (SHUTDOWN_GRACE_S): the front end waited for EngineCore's own teardown
+    # instead of SIGKILLing it, which vLLM's default does a few milliseconds after the SIGTERM.
+    for side, r in served.items():
+        assert "force killing remaining process EngineCore" not in str(r["log"]), side
+        assert "[shutdown] EngineCore: exiting busy loop" in str(r["log"]), side
 
 
 def _dead_worker(spec: ServerSpec, model: Path, logs: Path) -> dict[str, object]:
