@@ -56,6 +56,13 @@ def _retried(d: Difference) -> str:
     return f"margin {d.margin:g}, native chose it in {d.reproduced} of {d.retrials} retrials"
 
 
+#: Reads of the record the lowered-limit check needs between B getting under its limit and its
+#: bursts' end (not vacuous). Few, because the sampler's rate is the machine's: beside a CPU hog
+#: (12-05) it read 5 times over those 5.1 s, 1-2 s apart, where 10 were asked for; the reads
+#: themselves took under 3 ms, so the time went to the sampler's thread waiting to run.
+MIN_SAMPLES_UNDER = 3
+
+
 def checks(r: SharingResult) -> list[Check]:
     """Every expectation of the scenario, with what was measured."""
     plan = r.plan
@@ -77,7 +84,7 @@ def checks(r: SharingResult) -> list[Check]:
         Check("B's burst fit only because A gave its pages back", a0.peak_bytes + b0.peak_bytes > budget,
               f"A peak {a0.peak_bytes / MiB:.2f} MiB + B peak {b0.peak_bytes / MiB:.2f} MiB > budget"),
         Check("B's lowered limit holds while its burst runs",
-              r.b_max_once_under_bytes <= r.limit_b_bytes and r.b_samples_once_under >= 10,
+              r.b_max_once_under_bytes <= r.limit_b_bytes and r.b_samples_once_under >= MIN_SAMPLES_UNDER,
               f"under {r.limit_b_bytes / MiB:.2f} MiB {r.b_under_limit_s:.2f} s after `kvctl limit`, at most "
               f"{r.b_max_once_under_bytes / MiB:.2f} MiB over the {r.b_samples_once_under} samples from then to "
               "the burst's end"),

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conformance.serving.retrial import PLANTED_MARGIN, Difference
-from conformance.sharing.report import checks
+from conformance.sharing.report import MIN_SAMPLES_UNDER, checks
 from conformance.sharing.run import MiB, SharingPlan, SharingResult, run
 
 pytestmark = [pytest.mark.multiprocess]  # every wait in the scenario is bounded (starts, requests, idles)
@@ -55,6 +55,8 @@ def test_each_check_sees_a_real_failure(shared: SharingResult) -> None:
     assert failing(lambda r: r.samples.append([1e9, 0, 0, budget + MiB, budget])) == {"budget never exceeded"}
     assert failing(lambda r: setattr(r, "b_max_once_under_bytes", r.limit_b_bytes + 1)) == {
         "B's lowered limit holds while its burst runs"}
+    assert failing(lambda r: setattr(r, "b_samples_once_under", MIN_SAMPLES_UNDER - 1)) == {
+        "B's lowered limit holds while its burst runs"}  # too few reads to show it
     assert failing(lambda r: r.fds["A"][-1].__setitem__(1, r.fds["A"][0][1] + 1)) == {
         "file descriptors and memfds do not grow"}
     assert failing(lambda r: r.idle_bytes["B"].append(r.watermark_bytes["B"] + 1)) == {
