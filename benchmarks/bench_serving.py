@@ -44,6 +44,7 @@ engine steps ran as a full or piecewise CUDA graph or fell back to eager.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -113,6 +114,10 @@ METRICS = (
     Metric("sched_ms_p50", "scheduler ms/step p50"),
     Metric("sched_ms_p95", "scheduler ms/step p95"),
     Metric("graph_replays_per_step", "CUDA graph replays/step", True),
+    # The wall time from one step's schedule to the next's: the whole engine step (device work,
+    # the scheduler, everything between), against the scheduler's share above.
+    Metric("step_ms_p50", "engine step period ms p50"),
+    Metric("requests_per_step", "requests scheduled/step (mean)", True),
 )
 _STEADY = {"output_throughput": 0.98, "p95_ttft_ms": 1.05, "p95_tpot_ms": 1.05}
 TARGETS: dict[str, dict[str, float]] = {"rate": _STEADY, "saturation": _STEADY,
@@ -447,8 +452,11 @@ def add_step_times(step_log: Path, windows: Sequence[tuple[PhaseRun, float, floa
             raise RuntimeError(f"--step-times: no step of {run.side} {run.phase.name} in {step_log}")
         ms = sorted((r[1] + r[2]) * 1e3 for r in steps)
         replays = steps[-1][5] - steps[0][5] if len(steps[0]) > 5 else None  # logs before the count had 5 fields
+        periods = [(b[0] - a[0]) * 1e3 for a, b in itertools.pairwise(steps)]
         run.result |= {"sched_ms_p50": statistics.median(ms), "sched_ms_p95": ms[int(0.95 * (len(ms) - 1))],
-                       "sched_steps": len(ms), "graph_replays_per_step": None if replays is None else replays / len(ms)}
+                       "sched_steps": len(ms), "graph_replays_per_step": None if replays is None else replays / len(ms),
+                       "step_ms_p50": statistics.median(periods) if periods else None,
+                       "requests_per_step": statistics.fmean(r[3] for r in steps)}
 
 
 def prepare_model(model: BenchModel) -> Path:

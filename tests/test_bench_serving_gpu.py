@@ -242,7 +242,8 @@ def test_step_times_go_to_the_phase_whose_client_ran_and_only_where_both_sides_h
     log.write_text("".join(json.dumps(r) + "\n" for r in rows))
     bs.add_step_times(log, [(runs[0], 10.0, 13.0), (runs[1], 19.0, 21.0)])
     assert runs[0].result == {"sched_ms_p50": pytest.approx(4.0), "sched_ms_p95": pytest.approx(4.0), "sched_steps": 3,
-                              "graph_replays_per_step": None}  # a log from before the replay count
+                              "graph_replays_per_step": None,  # a log from before the replay count
+                              "step_ms_p50": pytest.approx(1250.0), "requests_per_step": pytest.approx(4.0)}
     assert runs[1].result["sched_ms_p50"] == pytest.approx(5.0) and runs[1].result["sched_steps"] == 1
     # With the replay count (cumulative, the 6th field): 30 replays over the window's 3 steps.
     log.write_text("".join(json.dumps([*r, 10 * i]) + "\n" for i, r in enumerate(rows)))
