@@ -176,10 +176,12 @@ class SharingResult:
 
 
 # ---- workload ---------------------------------------------------------------------------------
-def prompts(plan: SharingPlan, engine: str, burst: int, n: int | None = None) -> list[list[int]]:
-    """Burst ``burst`` of ``engine``: fresh random prompts (no prefix shared across bursts)."""
+def prompts(plan: SharingPlan, engine: str, burst: int, n: int | None = None,
+            tokens: tuple[int, int] | None = None) -> list[list[int]]:
+    """Burst ``burst`` of ``engine``: fresh random prompts (no prefix shared across bursts) of
+    ``tokens`` (default the plan's ``prompt_tokens``) tokens."""
     r = random.Random(f"{engine}-{burst}")
-    lo, hi = plan.prompt_tokens
+    lo, hi = tokens or plan.prompt_tokens
     return [[r.randrange(FIRST_FREE_TOKEN, VOCAB_SIZE) for _ in range(r.randrange(lo, hi))]
             for _ in range(n or plan.burst)]
 
@@ -305,6 +307,14 @@ def burst_plan(plan: SharingPlan) -> dict[str, list[tuple[int, int, int]]]:
     return {"A": a, "B": b}
 
 
+def held_prompt_tokens(plan: SharingPlan) -> tuple[int, int]:
+    """Prompt lengths of A's killed burst: three times the plan's, capped so that a prompt and its
+    ``LONG`` output fit ``max_model_len``."""
+    lo, hi = plan.prompt_tokens
+    cap = plan.max_model_len - LONG * plan.max_tokens - 1
+    return min(3 * lo, cap - 1), min(3 * hi, cap)
+
+
 def after_limit_index(plan: SharingPlan) -> int:
     """The index of B's burst sent once `kvctl limit` has returned (after every other B burst's)."""
     return 3 + plan.cycles
@@ -349,8 +359,9 @@ class Stage:
     def mark(self, label: str) -> None:
         self.result.marks.append((round(self.now(), 3), label))
 
-    def burst(self, engine: str, index: int, n: int | None = None, label: str = "", max_tokens: int = 0) -> Burst:
-        batch = prompts(self.plan, engine, index, n)
+    def burst(self, engine: str, index: int, n: int | None = None, label: str = "", max_tokens: int = 0,
+              tokens: tuple[int, int] | None = None) -> Burst:
+        batch = prompts(self.plan, engine, index, n, tokens)
         start = self.now()
         got = send_burst(self.servers[engine], batch, max_tokens or self.plan.max_tokens)
         done = Burst(engine, label or f"{engine}{index}", round(start, 3), round(self.now(), 3), len(batch),
@@ -453,10 +464,17 @@ def shared_side(plan: SharingPlan, work: Path, reference: Reference,
 def run_scenario(stage: Stage) -> None:
     plan, result = stage.plan, stage.result
     stage.mark("A burst")
-    stage.burst("A", 0)
+    a0 = stage.burst("A", 0)
     stage.idle("A")
     stage.mark("B burst (A idle)")
-    stage.burst("B", 0, None, "", LONG * plan.max_tokens)
+    # B's peak is read from the record while the burst runs too (`charge_until`, up to what
+    # shows B used memory A gave back), not only by the sampler: beside a CPU hog the
+    # sampler's reads came 1-2 s apart (12-05) and can miss a peak.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        running = pool.submit(stage.burst, "B", 0, None, "", LONG * plan.max_tokens)
+        seen = stage.charge_until("B", plan.budget_bytes - a0.peak_bytes, running)
+        b0 = running.result(timeout=600)
+    b0.peak_bytes = max(b0.peak_bytes, seen)
     stage.idle("B")
     limited_burst(stage)
     for cycle in range(plan.cycles):
@@ -511,9 +529,16 @@ def kill_a(stage: Stage) -> None:
         # Twice a burst, as B's after the kill: needing more than the whole budget, A fills what
         # it may however its requests reach the server (one burst of them, arriving in waves
         # beside a CPU hog, never held a third of the budget within 60 s: 12-05).
-        pool.submit(stage.burst, "A", 1 + plan.cycles, 2 * plan.burst, "A (killed)", LONG * plan.max_tokens)
-        wait_until(lambda: stage.sampler.latest("A") > plan.budget_bytes // 3, 120.0)
-        result.a_at_kill_bytes = stage.sampler.latest("A")
+        # Its prompts are three times as long, so that each request holds its share from its
+        # prefill on and a few at once fill a third: with the plan's prompts, arriving in waves
+        # beside a CPU hog, all 32 were served without A's charge passing a third (CI, 12-05).
+        # The wait reads the record itself (`charge_until`), not the sampler's latest row.
+        killed = pool.submit(stage.burst, "A", 1 + plan.cycles, 2 * plan.burst, "A (killed)",
+                             LONG * plan.max_tokens, held_prompt_tokens(plan))
+        result.a_at_kill_bytes = stage.charge_until("A", plan.budget_bytes // 3, killed)
+        if killed.done():
+            raise ServerError(f"A's killed burst ended before A held a third of the budget "
+                              f"(at most {result.a_at_kill_bytes / MiB:.2f} MiB)")
         stage.mark("SIGKILL A")
         os.killpg(server.proc.pid, signal.SIGKILL)
         server.proc.wait(30)
