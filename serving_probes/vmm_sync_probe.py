@@ -193,7 +193,7 @@ def launch_beside(drv: Driver, fresh_va, cycles: int, repeats: int) -> list[dict
             torch.cuda._sleep(cycles)
             other = threading.Thread(target=drv.on_thread, args=(name, va, handle))
             other.start()
-            time.sleep(0.001)  # the other thread is inside its call
+            time.sleep(0.001)  # time for the other thread to enter its call (not waited on)
             t0 = time.perf_counter()
             torch.cuda._sleep(1)
             times.append((time.perf_counter() - t0) * 1e3)

@@ -209,3 +209,14 @@ def test_bandwidth_decode_loop_counts_driver_maps_per_policy(tmp_path: Path) -> 
     md = bandwidth.write_outputs(results, tmp_path).read_text()
     assert "## Kernel bandwidth" in md and "## Map cost in a decode loop (one page every 16 steps)" in md
     assert json.loads((tmp_path / "results.json").read_text())["bandwidth"]["results_identical"]
+
+
+def test_the_vmm_sync_probe_passes_the_driver_its_structs_at_cuda_h_sizes() -> None:
+    """The probe runs only where libcuda is; its ctypes structs must match cuda.h's layout
+    (CUmemAllocationProp 32 bytes, the allocation flags at 24; CUmemAccessDesc 12)."""
+    import ctypes
+
+    from serving_probes.vmm_sync_probe import _AccessDesc, _AllocProp
+
+    assert ctypes.sizeof(_AllocProp) == 32 and _AllocProp.allocFlags.offset == 24
+    assert ctypes.sizeof(_AccessDesc) == 12
