@@ -19,7 +19,7 @@
 # llama and qwen3 244 s; nemotron_h alone 373 s; V2 dense mp rows 154 s; the GPU engine tests
 # 374 s; bench_serving 1b: a server ~85 s to start, a phase ~33 s (7 phase runs in 510 s).
 # The next session's calls, in order of need (issues 30, 29):
-#   python3 -m serving_probes.vmm_sync_probe --out $OUT/vmm-sync.json   (first call, no bundle: ~20 s;
+#   python3 -m serving_probes.vmm_sync_probe --out $OUT/vmm-sync.json   (first call, no bundle; never run yet;
 #       does cuMemUnmap/cuMemMap wait for a busy device, or stall a launch beside it?)
 #   fg 560 serving-diag python3 benchmarks/bench_serving.py --device cuda --models 1b --rounds 1 \
 #       --step-times --out /tmp/gpu-out/serving-diag --logs /tmp/gpu-out/serving-diag/logs
