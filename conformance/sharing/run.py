@@ -373,6 +373,14 @@ class Stage:
         self.result.bursts.append(done)
         return done
 
+    def burst_read(self, engine: str, above: int, index: int, n: int | None, max_tokens: int) -> tuple[Burst, int]:
+        """`burst` on a thread of its own while ``engine``'s charge is read from the record
+        (`charge_until` ``above``): the burst, and the largest charge read."""
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            running = pool.submit(self.burst, engine, index, n, "", max_tokens)
+            seen = self.charge_until(engine, above, running)
+            return running.result(timeout=600), seen
+
     def charge_until(self, engine: str, above: int, running: Future[Burst]) -> int:
         """``engine``'s largest charge read from the record (every 10 ms, a reader of its own)
         until it is over ``above`` or ``running`` ends."""
@@ -467,13 +475,10 @@ def run_scenario(stage: Stage) -> None:
     a0 = stage.burst("A", 0)
     stage.idle("A")
     stage.mark("B burst (A idle)")
-    # B's peak is read from the record while the burst runs too (`charge_until`, up to what
+    # B's peak is read from the record while the burst runs too (`burst_read`, up to what
     # shows B used memory A gave back), not only by the sampler: beside a CPU hog the
     # sampler's reads came 1-2 s apart (12-05) and can miss a peak.
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        running = pool.submit(stage.burst, "B", 0, None, "", LONG * plan.max_tokens)
-        seen = stage.charge_until("B", plan.budget_bytes - a0.peak_bytes, running)
-        b0 = running.result(timeout=600)
+    b0, seen = stage.burst_read("B", plan.budget_bytes - a0.peak_bytes, 0, None, LONG * plan.max_tokens)
     b0.peak_bytes = max(b0.peak_bytes, seen)
     stage.idle("B")
     limited_burst(stage)
@@ -549,10 +554,7 @@ def kill_a(stage: Stage) -> None:
     # the record while the burst runs, not on the sampler catching a peak: beside a CPU hog the
     # sampler went 6 s between reads (12-05).
     above = plan.budget_bytes - result.a_at_kill_bytes
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        running = pool.submit(stage.burst, "B", 2 + plan.cycles, 2 * plan.burst, "", LONG * plan.max_tokens)
-        seen = stage.charge_until("B", above, running)
-        running.result(timeout=600)
+    _, seen = stage.burst_read("B", above, 2 + plan.cycles, 2 * plan.burst, LONG * plan.max_tokens)
     result.b_after_kill_peak_bytes = max(stage.sampler.peak("B", start), seen)
     stage.idle("B")
 
