@@ -25,6 +25,7 @@ distorts the figures.
 
     python benchmarks/bench_serving.py [--rounds 5] [--models tiny,large] \\
         [--phases rate,saturation,overload] [--num-prompts N] [--out reports/bench]
+    python benchmarks/bench_serving.py --step-stats LOG.steps.jsonl...   # a step log's metrics
 
 Prompts per phase default to 256 (tiny) and 48 (large). The full default run takes about 35
 minutes on 2 quiet cores (a round: ~2 min tiny, ~4-5 min large; each server start 20-40 s).
@@ -118,7 +119,14 @@ METRICS = (
     # the scheduler, everything between), against the scheduler's share above.
     Metric("step_ms_p50", "engine step period ms p50"),
     Metric("requests_per_step", "requests scheduled/step (mean)", True),
+    # The scheduler's whole time in the phase, and the part of it in slow steps (over
+    # `SLOW_STEP_FACTOR` x the run's own p50): a tail of a few long steps (a step that maps or
+    # unmaps pages on the scheduler's path) apart from a steady per-step cost.
+    Metric("sched_s", "scheduler s in the phase"),
+    Metric("slow_sched_s", "scheduler s in slow steps"),
 )
+#: A step is slow when its scheduler time is over this many times the run's median step.
+SLOW_STEP_FACTOR = 3.0
 _STEADY = {"output_throughput": 0.98, "p95_ttft_ms": 1.05, "p95_tpot_ms": 1.05}
 TARGETS: dict[str, dict[str, float]] = {"rate": _STEADY, "saturation": _STEADY,
                                          "overload": {"output_throughput": 0.95}}
@@ -450,13 +458,35 @@ def add_step_times(step_log: Path, windows: Sequence[tuple[PhaseRun, float, floa
         steps = [r for r in rows if t0 <= r[0] <= t1 and r[3] > 0]
         if not steps:
             raise RuntimeError(f"--step-times: no step of {run.side} {run.phase.name} in {step_log}")
-        ms = sorted((r[1] + r[2]) * 1e3 for r in steps)
-        replays = steps[-1][5] - steps[0][5] if len(steps[0]) > 5 else None  # logs before the count had 5 fields
-        periods = [(b[0] - a[0]) * 1e3 for a, b in itertools.pairwise(steps)]
-        run.result |= {"sched_ms_p50": statistics.median(ms), "sched_ms_p95": ms[int(0.95 * (len(ms) - 1))],
-                       "sched_steps": len(ms), "graph_replays_per_step": None if replays is None else replays / len(ms),
-                       "step_ms_p50": statistics.median(periods) if periods else None,
-                       "requests_per_step": statistics.fmean(r[3] for r in steps)}
+        run.result |= step_stats(steps)
+
+
+def step_stats(steps: Sequence[Sequence[float]]) -> dict[str, Any]:
+    """The step metrics of `METRICS` over step-log rows (`conformance.engine.step_timer`: wall
+    time, schedule s, update s, requests, tokens[, cumulative replays]) of steps that ran work."""
+    ms = sorted((r[1] + r[2]) * 1e3 for r in steps)
+    p50 = statistics.median(ms)
+    slow = [x for x in ms if x > SLOW_STEP_FACTOR * p50]
+    replays = steps[-1][5] - steps[0][5] if len(steps[0]) > 5 else None  # logs before the count had 5 fields
+    periods = [(b[0] - a[0]) * 1e3 for a, b in itertools.pairwise(steps)]
+    return {"sched_ms_p50": p50, "sched_ms_p95": ms[int(0.95 * (len(ms) - 1))], "sched_steps": len(ms),
+            "graph_replays_per_step": None if replays is None else replays / len(ms),
+            "step_ms_p50": statistics.median(periods) if periods else None,
+            "requests_per_step": statistics.fmean(r[3] for r in steps),
+            "sched_s": sum(ms) / 1e3, "slow_steps": len(slow), "slow_sched_s": sum(slow) / 1e3}
+
+
+def step_log_main(paths: Sequence[str]) -> int:
+    """``--step-stats LOG...``: `step_stats` of each step log, every step that ran work (a log of
+    a server that ran one phase: that phase), as one JSON object per log."""
+    from conformance.engine.step_timer import read_rows
+
+    for path in paths:
+        steps = [r for r in read_rows(path) if r[3] > 0]
+        if not steps:
+            raise SystemExit(f"{path}: no step that ran work")
+        print(json.dumps({"log": path, **step_stats(steps)}))
+    return 0
 
 
 def prepare_model(model: BenchModel) -> Path:
@@ -830,6 +860,8 @@ def render(out: Path) -> Path:
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--client":
         return client_main(sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] == "--step-stats":
+        return step_log_main(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=tuple(SETUPS), default="cpu",
                     help="cpu: the tiny and large fp32 models; cuda: the ~1B bf16 models (GPU_MODELS)")

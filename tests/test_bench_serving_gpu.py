@@ -237,13 +237,15 @@ def test_step_times_go_to_the_phase_whose_client_ran_and_only_where_both_sides_h
     runs = [bs.PhaseRun("1b", "native", 1, config, {}), bs.PhaseRun("1b", "native", 1, bs.replace(config, name="rate"), {})]
     log = tmp_path / "native.steps.jsonl"
     # [wall time, schedule s, update s, requests, tokens]: 3 steps in the first window (one idle), 1 in the second
-    rows = [[10.0, 0.001, 0.002, 4, 4], [11.0, 0.002, 0.002, 4, 4], [12.0, 0.0, 0.0, 0, 0], [12.5, 0.010, 0.0, 4, 4],
+    rows = [[10.0, 0.001, 0.002, 4, 4], [11.0, 0.002, 0.002, 4, 4], [12.0, 0.0, 0.0, 0, 0], [12.5, 0.013, 0.0, 4, 4],
             [20.0, 0.005, 0.0, 2, 2], [30.0, 1.0, 1.0, 4, 4]]
     log.write_text("".join(json.dumps(r) + "\n" for r in rows))
     bs.add_step_times(log, [(runs[0], 10.0, 13.0), (runs[1], 19.0, 21.0)])
     assert runs[0].result == {"sched_ms_p50": pytest.approx(4.0), "sched_ms_p95": pytest.approx(4.0), "sched_steps": 3,
                               "graph_replays_per_step": None,  # a log from before the replay count
-                              "step_ms_p50": pytest.approx(1250.0), "requests_per_step": pytest.approx(4.0)}
+                              "step_ms_p50": pytest.approx(1250.0), "requests_per_step": pytest.approx(4.0),
+                              # 13 ms is over 3x the 4 ms median: one slow step
+                              "sched_s": pytest.approx(0.020), "slow_steps": 1, "slow_sched_s": pytest.approx(0.013)}
     assert runs[1].result["sched_ms_p50"] == pytest.approx(5.0) and runs[1].result["sched_steps"] == 1
     # With the replay count (cumulative, the 6th field): 30 replays over the window's 3 steps.
     log.write_text("".join(json.dumps([*r, 10 * i]) + "\n" for i, r in enumerate(rows)))
@@ -288,3 +290,18 @@ def test_a_run_of_fewer_rounds_than_a_verdict_needs_is_reported_not_judged(tmp_p
                     {"environment": {"command": "t", "date": "d"}, "rounds": 1, "setup": bs.asdict(bs.SETUPS["cuda"]),
                      "load_before": 0.0}, [bs.GPU_MODELS["1b"]])
     assert bs.build(json.loads(json.dumps(bs._jsonable(doc)))).headline == "No verdict: 1 round(s) on both sides, 3 needed."
+
+
+def test_step_stats_summarizes_a_step_log_as_the_phase_metrics(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--step-stats LOG``: a committed step log's metrics, by the rule the run uses (`step_stats`)."""
+    log = tmp_path / "kvcached.steps.jsonl"
+    rows = [[1.0, 0.001, 0.001, 8, 8, 0], [1.01, 0.001, 0.001, 8, 8, 1], [1.02, 0.0, 0.0, 0, 0, 1],
+            [1.03, 0.020, 0.002, 8, 8, 2]]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert bs.step_log_main([str(log)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["sched_steps"] == 3 and got["slow_steps"] == 1  # the idle step is left out; 22 ms > 3 x 2 ms
+    assert got["slow_sched_s"] == pytest.approx(0.022) and got["sched_s"] == pytest.approx(0.026)
+    log.write_text(json.dumps([1.0, 0.0, 0.0, 0, 0]) + "\n")
+    with pytest.raises(SystemExit, match="no step that ran work"):
+        bs.step_log_main([str(log)])
