@@ -189,7 +189,9 @@ def main() -> int:
     loads = [Load(f"c{c}", int(c), 200 + i) for i, c in enumerate(args.concurrency.split(","))]
     tok_dir = prepare_model(_tiny())
     steps: list[Steps] = []
-    with tempfile.TemporaryDirectory(prefix="bench-serve-steps-") as tmp:
+    from conformance.serving import exit_on_sigterm
+
+    with exit_on_sigterm(), tempfile.TemporaryDirectory(prefix="bench-serve-steps-") as tmp:
         for rnd in range(1, args.rounds + 1):
             for n in blocks:
                 for side in (("native", "kvcached") if rnd % 2 else ("kvcached", "native")):

@@ -925,8 +925,11 @@ def main() -> int:
         _dump(args.out / "serving.partial.json", {**meta, "aborted": aborted, "runs": [asdict(r) for r in sess.runs],
                                                   "servers": [asdict(s) for s in sess.servers]})
 
+    from conformance.serving import exit_on_sigterm
+
     try:
-        run_all(sess, models, rounds, save_partial)
+        with exit_on_sigterm():  # a `timeout` around the run stops its server too
+            run_all(sess, models, rounds, save_partial)
     except BaseException:
         save_partial(aborted=True)
         raise

@@ -32,7 +32,9 @@
 #       --out /tmp/gpu-out/serving --logs /tmp/gpu-out/serving/logs --resume
 #       (first: mkdir -p /tmp/gpu-out/serving && cp reports/gpu/serving/partial-12-04d/serving.partial.json
 #        /tmp/gpu-out/serving/; its round 1 is kept)
-#   fg 560 sharing python3 -m conformance.sharing --device cuda --quick --out /tmp/gpu-out/sharing
+#   fg 560 sharing python3 -m conformance.sharing --device cuda --quick --out /tmp/gpu-out/sharing --sides native
+#       then --sides shared, then --sides retrial (a call each: 12-05, the whole run passed 470 s;
+#       each part saves /tmp/gpu-out/sharing/run-state.json, which the next reads)
 # (chunk runs write into one conformance run, h200 or what --run-id says: `python -m conformance
 # --device cuda --render h200` here joins them into one report.)
 #
@@ -66,6 +68,10 @@ step() {  # step NAME CMD...: run CMD in $WORK, log to $R/NAME.log, record rc an
     echo "$(date +%T) end $name rc=$rc $(( $(date +%s) - t0 ))s" >> $R/steps
 }
 
+orphans() {  # what a run cut by its timeout left: servers, and EngineCores (their title is VLLM::EngineCore)
+    pkill -9 -f conformance.engine; pkill -9 -f vllm.entrypoints; pkill -9 -f "[V]LLM::EngineCore"; sleep 1
+}
+
 workdir() {  # the repository copy the runs use, with the kvcached extension built at install
     [ -d $WORK ] || { cp -a . $WORK; rm -rf $WORK/.gpu/bundle; cp $SITE/kvcached/_vmm*.so $WORK/kvcached/; }
     mkdir -p $R; export PYTHONPATH=$SITE:$WORK
@@ -81,12 +87,12 @@ install)
 fg)
     shift; secs=$1; name=$2; shift 2; workdir
     step $name timeout -k 15 $secs "$@"
-    pkill -9 -f conformance.engine; pkill -9 -f vllm.entrypoints; sleep 1; cat $R/steps; tail -n 15 $R/$name.log; pack ;;
+    orphans; cat $R/steps; tail -n 15 $R/$name.log; pack ;;
 chunk)
     shift; secs=$1; shift; workdir
     step conformance-$(date +%H%M%S) timeout -k 15 $secs python3 -m conformance --device cuda \
         --reports-dir $R/conformance --run-id h200 "$@"
-    pkill -9 -f conformance.engine; sleep 1; cat $R/steps; pack ;;
+    orphans; cat $R/steps; pack ;;
 before)
     rm -rf $BEFORE; mkdir -p $BEFORE/src; tar -C $BEFORE/src -xf .gpu/before.tar
     python3 -m pip install -q --no-build-isolation --no-deps --no-index --target $BEFORE/site $BEFORE/src

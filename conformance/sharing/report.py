@@ -32,8 +32,9 @@ from conformance.reporting import (
     table,
     write_report,
 )
+from conformance.serving import exit_on_sigterm
 from conformance.serving.retrial import TIE, Difference
-from conformance.sharing.run import Burst, MiB, SharingPlan, SharingResult, run
+from conformance.sharing.run import SIDES, Burst, MiB, SharingPlan, SharingResult, SharingStateError, run
 
 PROG = "python -m conformance.sharing"
 FIGURE = "timeline.png"
@@ -244,24 +245,53 @@ def main(argv: list[str] | None = None) -> int:
                         help="cuda: the CUDA models in bf16, compiled, GPU-sized bursts (SharingPlan.cuda)")
     parser.add_argument("--out", type=Path, default=Path("reports/sharing"))
     parser.add_argument("--render", type=Path, help="render the report of a saved result.json (no run)")
+    parser.add_argument("--sides", default=",".join(SIDES),
+                        help=f"comma-separated, of {','.join(SIDES)} in that order (default: all): a run in parts, "
+                             f"each going on from --out/{STATE} (a lent GPU's call lasts minutes)")
     args = parser.parse_args(argv)
     plan = (SharingPlan.cuda(args.quick) if args.device == "cuda"
             else SharingPlan.quick() if args.quick else SharingPlan())
     if args.render:
         result = SharingResult.load(args.render)
     else:
-        env = provenance([*PROG.split(), *(argv if argv is not None else sys.argv[1:])])
-        with tempfile.TemporaryDirectory(prefix="kvcached-sharing-") as tmp:
-            result = run(plan, Path(tmp))
-        result.environment = env.as_dict()
+        args.out.mkdir(parents=True, exist_ok=True)
+        sides, state_path = args.sides.split(","), args.out / STATE
+        if unknown := sorted(set(sides) - set(SIDES)):
+            parser.error(f"--sides: unknown {unknown}; the sides are {','.join(SIDES)}")
+        if sides[0] == SIDES[0] and state_path.is_file():
+            parser.error(f"{state_path} holds a run cut short: go on with --sides after its last side, or remove it")
+        command = " ".join([*PROG.split(), *(argv if argv is not None else sys.argv[1:])])
+        try:
+            with exit_on_sigterm(), tempfile.TemporaryDirectory(prefix="kvcached-sharing-") as tmp:
+                state = run(plan, Path(tmp), sides, state_path)
+        except SharingStateError as e:
+            parser.error(str(e))
+        state.result.environment = provenance(_commands(state.result.environment, command)).as_dict()
+        state.save(state_path)
+        if len(state.done) < len(SIDES):
+            print(f"sides done: {', '.join(state.done)}; go on with --sides {','.join(SIDES[len(state.done):])}")
+            return 0
+        result = state.result
     args.out.mkdir(parents=True, exist_ok=True)
     result.save(args.out / "result.json")
     plot(result, args.out / FIGURE)
     found = checks(result)
     write_report(build(result, found), args.out)
+    if not args.render:
+        (args.out / STATE).unlink(missing_ok=True)  # result.json holds all of it now
     for c in found:
         print(f"{'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}")
     return 0 if all(c.ok for c in found) else 1
+
+
+#: A run's state between its parts (`SharingRun`), in --out until its report is written.
+STATE = "run-state.json"
+
+
+def _commands(earlier: dict[str, str], command: str) -> str:
+    """The command line the report names: this part's, after the earlier parts' (``;``)."""
+    before = earlier.get("command")
+    return f"{before} ; {command}" if before else command
 
 
 if __name__ == "__main__":

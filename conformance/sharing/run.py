@@ -165,7 +165,12 @@ class SharingResult:
     @classmethod
     def load(cls, path: Path) -> SharingResult:
         """A saved result (`save`), to render its report again."""
-        data = json.loads(path.read_text())
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SharingResult:
+        """The result `asdict` gave (`save`, `SharingRun.save`)."""
+        data = dict(data)
         for key in ("bursts", "native_bursts"):
             data[key] = [Burst(**(b | {"differences": [Difference(**d) for d in b["differences"]]}))
                          for b in data[key]]
@@ -258,6 +263,8 @@ def two_servers(specs: dict[str, tuple[ServerSpec, Path]], logs: Path, kv_bytes:
             stack.callback(servers[label].stop)
         for server in servers.values():
             server.wait_healthy(300.0)
+        say(f"  servers {', '.join(s.spec.label for s in servers.values())} up in "
+            f"{max(s.start_s for s in servers.values()):.0f} s")
         yield servers
 
 
@@ -358,6 +365,7 @@ class Stage:
 
     def mark(self, label: str) -> None:
         self.result.marks.append((round(self.now(), 3), label))
+        say(f"  {label}")
 
     def burst(self, engine: str, index: int, n: int | None = None, label: str = "", max_tokens: int = 0,
               tokens: tuple[int, int] | None = None) -> Burst:
@@ -410,6 +418,7 @@ def native_side(plan: SharingPlan, work: Path, result: SharingResult) -> Referen
         bursts = compared_bursts(plan)
         for key, (engine, batch, m) in bursts.items():
             reference[key] = [by[engine].complete_with_margins(p, m) for p in batch]
+        say(f"  reference: {sum(len(b) for _, b, _ in bursts.values())} requests, each alone")
         t0 = time.monotonic()
         for key in ("A0", "B0", "B1", f"B{2 + plan.cycles}"):
             engine, batch, m = bursts[key]
@@ -432,6 +441,7 @@ def retrial_side(plan: SharingPlan, work: Path, result: SharingResult) -> None:
     if not pending:
         return
     rng = random.Random(2)
+    say(f"  {len(pending)} difference(s) to retry")
     with native_servers(plan, work, "-retrial") as by:
         for burst, k in pending:
             burst.differences[k] = retry_in_burst(plan, by[burst.engine], burst.label, burst.differences[k], rng)
@@ -559,13 +569,82 @@ def kill_a(stage: Stage) -> None:
     stage.idle("B")
 
 
-def run(plan: SharingPlan, work: Path) -> SharingResult:
-    """Native side first (reference tokens, static split, the planted control), then the
-    shared kvcached side, then the retrial of its differences on native."""
+#: A run's sides, in order: native (reference tokens, static split, the planted control), the
+#: shared kvcached side, the retrial of its differences on native.
+SIDES = ("native", "shared", "retrial")
+
+
+@dataclass
+class SharingRun:
+    """A run between its sides: the result so far, native's reference tokens, and the sides
+    done (a prefix of `SIDES`). Saved after each side (`run`), so that a run goes on over
+    several invocations, as on a lent GPU whose calls last minutes and whose three sides each
+    start two servers."""
+
+    result: SharingResult
+    reference: Reference = field(default_factory=dict)
+    done: list[str] = field(default_factory=list)
+
+    def save(self, path: Path) -> None:
+        """Written whole, then renamed over ``path``: a run killed while saving keeps the last state."""
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"result": asdict(self.result), "reference": self.reference, "done": self.done},
+                                  separators=(",", ":")))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path, plan: SharingPlan) -> SharingRun:
+        """The state `save` wrote; `ServerError` if another plan made it."""
+        data = json.loads(path.read_text())
+        state = cls(SharingResult.from_dict(data["result"]),
+                    {k: [(list(t), list(m)) for t, m in refs] for k, refs in data["reference"].items()},
+                    list(data["done"]))
+        if state.result.plan != json.loads(json.dumps(asdict(plan))):
+            raise SharingStateError(f"{path} is a run of another plan (--quick or --device differ): remove it, "
+                                    "or go on with the plan that made it")
+        return state
+
+
+class SharingStateError(ValueError):
+    """Sides asked for out of their order, or a saved state of another plan: nothing ran."""
+
+
+def check_order(done: Sequence[str], sides: Sequence[str]) -> None:
+    """`SharingStateError` unless ``sides`` are the next of `SIDES` after ``done``, in order."""
+    if list(sides) != list(SIDES[len(done):len(done) + len(sides)]) or not sides:
+        raise SharingStateError(f"sides {', '.join(sides) or 'none'} cannot run now: sides done: "
+                                f"{', '.join(done) or 'none'}; they run in the order {', '.join(SIDES)}")
+
+
+def run_side(side: str, plan: SharingPlan, work: Path, state: SharingRun) -> None:
+    """Run ``side``, the next one `state` lacks (`check_order`: each needs the ones before it)."""
+    check_order(state.done, [side])
+    say(f"{side} side")
+    if side == "native":
+        state.reference = native_side(plan, work, state.result)
+    elif side == "shared":
+        shared_side(plan, work, state.reference, state.result)
+    else:
+        retrial_side(plan, work, state.result)
+    state.done.append(side)
+
+
+def run(plan: SharingPlan, work: Path, sides: Sequence[str] = SIDES, state_path: Path | None = None) -> SharingRun:
+    """The run's ``sides`` (each after those `state_path` says are done, saving the state
+    there after each); the whole scenario by default."""
     work.mkdir(parents=True, exist_ok=True)
-    result = SharingResult(plan=asdict(plan))
-    reference = native_side(plan, work, result)
-    shared_side(plan, work, reference, result)
-    retrial_side(plan, work, result)
-    result.save(work / "result.json")
-    return result
+    if state_path is not None and state_path.is_file():
+        state = SharingRun.load(state_path, plan)
+    else:
+        state = SharingRun(SharingResult(plan=asdict(plan)))
+    check_order(state.done, sides)  # before any server starts
+    for side in sides:
+        run_side(side, plan, work, state)
+        if state_path is not None:
+            state.save(state_path)
+    return state
+
+
+def say(line: str) -> None:
+    """A progress line on stderr: a run takes minutes, the GPU one longer than a device call."""
+    print(f"{time.strftime('%H:%M:%S')} {line}", file=sys.stderr, flush=True)

@@ -39,6 +39,7 @@ from conformance.reporting import (
     table,
     write_report,
 )
+from conformance.serving import exit_on_sigterm
 from conformance.serving.retrial import TIE
 from conformance.soak.run import CANDIDATES, Difference, Sample, SoakPlan, run, to_json
 
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--duration must be within [10, 7200] s and --clients within [1, 64]")
     plan = SoakPlan(duration_s=args.duration, clients=args.clients, candidate=args.candidate)
     env = provenance([*PROG.split(), *(argv if argv is not None else sys.argv[1:])])
-    with tempfile.TemporaryDirectory(prefix="kvcached-soak-") as work:
+    with exit_on_sigterm(), tempfile.TemporaryDirectory(prefix="kvcached-soak-") as work:
         result = run(plan, Path(work))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "result.json").write_text(json.dumps({**to_json(result), "environment": env.as_dict()}) + "\n")

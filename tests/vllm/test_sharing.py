@@ -15,14 +15,21 @@ import pytest
 
 from conformance.serving.retrial import PLANTED_MARGIN, Difference
 from conformance.sharing.report import MIN_SAMPLES_UNDER, checks
-from conformance.sharing.run import MiB, SharingPlan, SharingResult, run
+from conformance.sharing.run import SIDES, MiB, SharingPlan, SharingResult, run
 
 pytestmark = [pytest.mark.multiprocess]  # every wait in the scenario is bounded (starts, requests, idles)
 
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> SharingResult:
-    return run(SharingPlan.quick(), tmp_path_factory.mktemp("sharing"))
+    """The scenario in three parts, a side each, the state saved and read back between them:
+    how a lent GPU runs it (`--sides`), and the whole of what one call runs."""
+    plan, work = SharingPlan.quick(), tmp_path_factory.mktemp("sharing")
+    state = work / "run-state.json"
+    for side in SIDES:
+        done = run(plan, work / side, [side], state)
+    assert done.done == list(SIDES)
+    return done.result
 
 
 def test_every_check_holds(shared: SharingResult) -> None:
