@@ -8,7 +8,7 @@ import os
 import pytest
 
 from kvcached.budget import NAME_BYTES, NO_LIMIT, record_path
-from kvcached.config import INIT_PID_NS, KvcachedConfig, engine_name
+from kvcached.config import INIT_PID_NS, KvcachedConfig, device_defaults, engine_name
 from kvcached.errors import ConfigError
 
 
@@ -102,3 +102,18 @@ def test_default_engine_names_are_the_model_and_the_pid_on_the_host(monkeypatch)
     long = engine_name("x" * 100)
     assert long.endswith(f"-{os.getpid()}") and len(long.encode()) == NAME_BYTES
     assert engine_name("m", {"KVCACHED_ENGINE_NAME": " mine "}) == "mine"
+
+
+def test_a_devices_defaults_come_under_the_variables_and_the_explicit_settings() -> None:
+    """``defaults`` (`device_defaults`) fill only what neither the caller nor a variable set;
+    unknown names in them are refused like explicit ones."""
+    cuda = device_defaults("cuda")
+    assert cuda == {"hold_steps": 256} and device_defaults("cpu") == {} and device_defaults("") == {}
+    assert KvcachedConfig.resolve(env={}, defaults=cuda).hold_steps == 256
+    assert KvcachedConfig.resolve(env={"KVCACHED_HOLD_STEPS": "0"}, defaults=cuda).hold_steps == 0
+    assert KvcachedConfig.resolve(env={"KVCACHED_HOLD_STEPS": "0"}, defaults=cuda, hold_steps=5).hold_steps == 5
+    assert KvcachedConfig.resolve(env={}).hold_steps == 0
+    with pytest.raises(ConfigError, match="unknown kvcached option"):
+        KvcachedConfig.resolve(env={}, defaults={"hold_step": 1})
+    with pytest.raises(ConfigError, match="KVCACHED_HOLD_STEPS"):
+        KvcachedConfig.resolve(env={}, defaults={"hold_steps": -1})  # checked by the field's one rule

@@ -311,6 +311,26 @@ def test_an_engines_explicit_settings_win_over_the_environment(monkeypatch: pyte
         engine_config.engine_settings(SimpleNamespace(additional_config={"kvcached": PAGE_SIZE}))
 
 
+def test_a_cuda_engine_holds_pages_while_busy_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device's defaults (`kvcached.config.device_defaults`) come under the variables and
+    the engine's explicit settings: holding on CUDA, none on CPU or without a vLLM config."""
+    monkeypatch.delenv("KVCACHED_HOLD_STEPS", raising=False)
+
+    def hold(device: str, **settings: object) -> int:
+        vllm_config = SimpleNamespace(device_config=SimpleNamespace(device_type=device),
+                                      additional_config={"kvcached": settings})
+        config = engine_config.resolve_engine_config(vllm_config)
+        engine_config.take_engine_config()
+        return int(config.hold_steps)
+
+    assert (hold("cuda"), hold("cpu")) == (256, 0)
+    assert engine_config.resolve_engine_config(None).hold_steps == 0
+    engine_config.take_engine_config()
+    assert hold("cuda", hold_steps=3) == 3
+    monkeypatch.setenv("KVCACHED_HOLD_STEPS", "0")
+    assert hold("cuda") == 0  # a variable the user set wins over the device's default
+
+
 def test_layer_coverage_is_checked() -> None:
     config = KVCacheConfig(
         num_blocks=N,

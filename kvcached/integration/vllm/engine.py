@@ -51,6 +51,7 @@ from kvcached.budget import BudgetRecord, EngineBudget, EngineShare
 from kvcached.config import KvcachedConfig
 from kvcached.config import engine_name as default_engine_name
 from kvcached.errors import IntegrationError, KvcachedError
+from kvcached.integration.vllm.engine_config import device_type
 from kvcached.ranks import PageRequest, RankedPageSpace, RankLayout, RankReply, check_layouts
 from kvcached.space import KvSpace
 from kvcached.stats import shutdown_line
@@ -226,8 +227,7 @@ def prepare(core: Any, kv_cache_config: Any) -> None:
     if len(configs) != 1:
         raise IntegrationError(f"ranks resolved different kvcached configs: {sorted(configs)}")
     config = KvcachedConfig(**replies[0][1])
-    device_type = str(getattr(core.vllm_config.device_config, "device_type", ""))
-    background = refills_in_background(config.background_refill, executor, device_type)
+    background = refills_in_background(config.background_refill, executor, device_type(core.vllm_config))
     channel = ExecutorChannel(executor, timeout_s, background=background)
     pages = RankedPageSpace(geometry, channel, len(replies), config.capacity_ttl_s)
     pages.note_available([RankReply(i, True, available_bytes=available) for i in range(len(replies))])

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from kvcached.config import KvcachedConfig
+from kvcached.config import KvcachedConfig, device_defaults
 from kvcached.errors import ConfigError
 from kvcached.integration.vllm import ENGINE_CONFIG_KEY
 
@@ -45,15 +45,22 @@ def engine_settings(vllm_config: Any) -> dict[str, Any]:
     return dict(settings)
 
 
+def device_type(vllm_config: Any) -> str:
+    """vLLM's device type of the engine (``cuda``, ``cpu``); ``""`` without a vLLM config."""
+    return str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "")
+
+
 def resolve_engine_config(vllm_config: Any) -> KvcachedConfig:
     """Resolve the config of the engine being built; its first seam (the capacity report) calls this.
 
-    Its explicit settings (`engine_settings`) win over the ``KVCACHED_*`` variables. Always
+    Its explicit settings (`engine_settings`) win over the ``KVCACHED_*`` variables, and those
+    over its device's defaults (`kvcached.config.device_defaults`). Always
     resolved afresh: an engine that failed between its report and its allocation must not
     leave its config to the next engine built in this process.
     """
     global _pending
-    config = KvcachedConfig.resolve(**engine_settings(vllm_config))
+    config = KvcachedConfig.resolve(defaults=device_defaults(device_type(vllm_config)),
+                                    **engine_settings(vllm_config))
     with _lock:
         _pending = config
     return config
