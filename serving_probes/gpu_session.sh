@@ -18,23 +18,18 @@
 # H200 timings (12-04): staging 10 s, install 52-57 s; the V1 matrix with 8 jobs: hybrids 406 s,
 # llama and qwen3 244 s; nemotron_h alone 373 s; V2 dense mp rows 154 s; the GPU engine tests
 # 374 s; bench_serving 1b: a server ~85 s to start, a phase ~33 s (7 phase runs in 510 s).
-# The next session's calls, in order of need (issues 30, 29):
-#   python3 -m serving_probes.vmm_sync_probe --out $OUT/vmm-sync.json   (first call, no bundle; never run yet;
-#       does cuMemUnmap/cuMemMap wait for a busy device, or stall a launch beside it?)
-#   fg 560 serving-diag python3 benchmarks/bench_serving.py --device cuda --models 1b --rounds 1 \
-#       --step-times --out /tmp/gpu-out/serving-diag --logs /tmp/gpu-out/serving-diag/logs
-#   fg 560 serving-hold python3 benchmarks/bench_serving.py --device cuda --models 1b --rounds 1 \
-#       --step-times --kvcached-env KVCACHED_HOLD_STEPS=256 --out /tmp/gpu-out/serving-hold \
-#       --logs /tmp/gpu-out/serving-hold/logs            (the two together: where the step's time goes)
-#   chunk 560 --jobs 2 --model-runner v2 --archetypes nemotron_h,qwen3_next --faults none \
-#       --layouts inproc --no-controls
-#   fg 560 serving python3 benchmarks/bench_serving.py --device cuda --models 1b --rounds 5 \
-#       --out /tmp/gpu-out/serving --logs /tmp/gpu-out/serving/logs --resume
-#       (first: mkdir -p /tmp/gpu-out/serving && cp reports/gpu/serving/partial-12-04d/serving.partial.json
-#        /tmp/gpu-out/serving/; its round 1 is kept)
+# The next session's calls, in order of need (issue 30). Done 12-05 (an H100): the VMM sync probe
+# (reports/gpu/vmm-sync) and the step-timed saturation runs (reports/gpu/serving/diag-12-05); holding
+# is the CUDA default since, so partial-12-04d (without it) is not resumed: a fresh run.
+#   fg 560 serving python3 benchmarks/bench_serving.py --device cuda --models 1b --rounds 3 --step-times \
+#       --out /tmp/gpu-out/serving --logs /tmp/gpu-out/serving/logs
+#       then the same with --resume in the next calls (a round of 3 phases: ~6 min; 3 rounds, the
+#       fewest a verdict takes, in ~3 calls); --kvcached-env KVCACHED_HOLD_STEPS=0 is the "before"
 #   fg 560 sharing python3 -m conformance.sharing --device cuda --quick --out /tmp/gpu-out/sharing --sides native
 #       then --sides shared, then --sides retrial (a call each: 12-05, the whole run passed 470 s;
 #       each part saves /tmp/gpu-out/sharing/run-state.json, which the next reads)
+#   chunk 560 --jobs 2 --model-runner v2 --archetypes nemotron_h,qwen3_next --faults none \
+#       --layouts inproc --no-controls
 # (chunk runs write into one conformance run, h200 or what --run-id says: `python -m conformance
 # --device cuda --render h200` here joins them into one report.)
 #
