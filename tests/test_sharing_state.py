@@ -55,6 +55,10 @@ def test_the_state_between_parts_reads_back_whole(tmp_path: Path) -> None:
     assert not path.with_name(STATE + ".tmp").exists()
     with pytest.raises(SharingStateError, match="another plan"):
         SharingRun.load(path, replace(plan, cycles=plan.cycles + 1))
+    for broken in ("{", '{"result": {}}', "[]"):
+        path.write_text(broken)
+        with pytest.raises(SharingStateError, match="not a sharing run's saved state"):
+            SharingRun.load(path, plan)
 
 
 def test_a_part_out_of_order_is_refused_before_anything_runs(tmp_path: Path) -> None:

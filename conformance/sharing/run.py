@@ -594,11 +594,15 @@ class SharingRun:
 
     @classmethod
     def load(cls, path: Path, plan: SharingPlan) -> SharingRun:
-        """The state `save` wrote; `ServerError` if another plan made it."""
-        data = json.loads(path.read_text())
-        state = cls(SharingResult.from_dict(data["result"]),
-                    {k: [(list(t), list(m)) for t, m in refs] for k, refs in data["reference"].items()},
-                    list(data["done"]))
+        """The state `save` wrote; `SharingStateError` if it is not one, or another plan made it."""
+        try:
+            data = json.loads(path.read_text())
+            state = cls(SharingResult.from_dict(data["result"]),
+                        {k: [(list(t), list(m)) for t, m in refs] for k, refs in data["reference"].items()},
+                        list(data["done"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise SharingStateError(f"{path} is not a sharing run's saved state ({type(e).__name__}: {e}): "
+                                    "remove it to start over") from None
         if state.result.plan != json.loads(json.dumps(asdict(plan))):
             raise SharingStateError(f"{path} is a run of another plan (--quick or --device differ): remove it, "
                                     "or go on with the plan that made it")
