@@ -28,7 +28,7 @@ from kvcached.config import KvcachedConfig, device_defaults
 from kvcached.errors import ConfigError
 from kvcached.integration.vllm import ENGINE_CONFIG_KEY
 
-__all__ = ["engine_settings", "forget", "resolve_engine_config", "take_engine_config"]
+__all__ = ["device_type", "engine_settings", "forget", "resolve_engine_config", "take_engine_config"]
 
 _lock = threading.Lock()
 _pending: KvcachedConfig | None = None  # resolved by the engine's report, until its allocation takes it
