@@ -124,6 +124,11 @@ METRICS = (
     # unmaps pages on the scheduler's path) apart from a steady per-step cost.
     Metric("sched_s", "scheduler s in the phase"),
     Metric("slow_sched_s", "scheduler s in slow steps"),
+    # kvcached's page counts per step (step logs that have them; native's are 0): kv pages
+    # mapped or unmapped on the scheduler's path (a driver call there, or a wait for one), and
+    # the decode-only steps (one token per request) that had any: the target is none.
+    Metric("path_pages", "kv pages (un)mapped on the scheduler's path"),
+    Metric("decode_steps_with_path_pages", "decode steps with such a page"),
 )
 #: A step is slow when its scheduler time is over this many times the run's median step.
 SLOW_STEP_FACTOR = 3.0
@@ -453,7 +458,7 @@ def add_step_times(step_log: Path, windows: Sequence[tuple[PhaseRun, float, floa
                            "conformance_agent plugin installed beside vLLM?")
     from conformance.engine.step_timer import read_rows
 
-    rows = read_rows(step_log)
+    rows = with_path_pages(read_rows(step_log))
     for run, t0, t1 in windows:
         steps = [r for r in rows if t0 <= r[0] <= t1 and r[3] > 0]
         if not steps:
@@ -467,13 +472,45 @@ def step_stats(steps: Sequence[Sequence[float]]) -> dict[str, Any]:
     ms = sorted((r[1] + r[2]) * 1e3 for r in steps)
     p50 = statistics.median(ms)
     slow = [x for x in ms if x > SLOW_STEP_FACTOR * p50]
-    replays = steps[-1][5] - steps[0][5] if len(steps[0]) > 5 else None  # logs before the count had 5 fields
+    # Logs before the replay count had 5 fields (`with_path_pages` pads them with None).
+    replays = steps[-1][5] - steps[0][5] if len(steps[0]) > 5 and steps[0][5] is not None else None
     periods = [(b[0] - a[0]) * 1e3 for a, b in itertools.pairwise(steps)]
     return {"sched_ms_p50": p50, "sched_ms_p95": ms[int(0.95 * (len(ms) - 1))], "sched_steps": len(ms),
             "graph_replays_per_step": None if replays is None else replays / len(ms),
             "step_ms_p50": statistics.median(periods) if periods else None,
             "requests_per_step": statistics.fmean(r[3] for r in steps),
-            "sched_s": sum(ms) / 1e3, "slow_steps": len(slow), "slow_sched_s": sum(slow) / 1e3}
+            "sched_s": sum(ms) / 1e3, "slow_steps": len(slow), "slow_sched_s": sum(slow) / 1e3,
+            **path_pages(steps)}
+
+
+def path_pages(steps: Sequence[Sequence[float]]) -> dict[str, Any]:
+    """The kv pages unmapped, or mapped or waited for, on the scheduler's path in ``steps``
+    (`with_path_pages`), and the decode-only steps (as many tokens as requests) that had any.
+    None for logs without the pool's counts."""
+    known = [r for r in steps if len(r) > PATH_PAGES and r[PATH_PAGES] is not None]
+    if not known:
+        return {"path_pages": None, "decode_steps_with_path_pages": None}
+    return {"path_pages": sum(r[PATH_PAGES] for r in known),
+            "decode_steps_with_path_pages": sum(1 for r in known if r[PATH_PAGES] and r[4] == r[3])}
+
+
+#: Where `with_path_pages` puts a row's own pages on the scheduler's path.
+PATH_PAGES = 9
+
+
+def with_path_pages(rows: Sequence[Sequence[float]]) -> list[list[Any]]:
+    """Step-log rows, each with its step's own kv pages on the scheduler's path appended: the
+    change of unmaps + blocking maps (the counts so far a row ends with) since the row before,
+    whether or not that one ran work (an idle step's unmaps are its own). Rows of older logs
+    are padded to 9 fields with None; the pages are None where the log has no counts, and for
+    the first row."""
+    out: list[list[Any]] = []
+    for i, row in enumerate(rows):
+        before = rows[i - 1] if i else None
+        counted = len(row) >= 9 and before is not None and len(before) >= 9
+        padded = [*row[:9], *[None] * (9 - len(row))]  # older logs: fewer fields, None for the rest
+        out.append([*padded, (row[7] - before[7]) + (row[8] - before[8]) if counted else None])  # type: ignore[index]
+    return out
 
 
 def step_log_main(paths: Sequence[str]) -> int:
@@ -482,7 +519,7 @@ def step_log_main(paths: Sequence[str]) -> int:
     from conformance.engine.step_timer import read_rows
 
     for path in paths:
-        steps = [r for r in read_rows(path) if r[3] > 0]
+        steps = [r for r in with_path_pages(read_rows(path)) if r[3] > 0]
         if not steps:
             raise SystemExit(f"{path}: no step that ran work")
         print(json.dumps({"log": path, **step_stats(steps)}))
@@ -669,7 +706,10 @@ def _method(doc: dict[str, Any]) -> str:
     if setup.step_times:
         ablation += (" A diagnostic run: the harness's step timer ran in both sides' EngineCore (scheduler ms per "
                      "step: Scheduler.schedule + update_from_output, kvcached's seams included, over the steps "
-                     "scheduled while each phase's client ran, its warm-ups included).")
+                     "scheduled while each phase's client ran, its warm-ups included). Slow steps: over "
+                     f"{SLOW_STEP_FACTOR:g}x the run's median step. Pages on the scheduler's path: kv pages each "
+                     "step unmapped, or mapped or waited for, there (the pool's counts; native maps none); a "
+                     "decode step schedules one token per request.")
     if setup.device == "cpu":
         threads = ("vLLM's CPU thread defaults" if setup.omp_threads is None
                    else f"OMP_NUM_THREADS={setup.omp_threads} in every server process")

@@ -245,7 +245,8 @@ def test_step_times_go_to_the_phase_whose_client_ran_and_only_where_both_sides_h
                               "graph_replays_per_step": None,  # a log from before the replay count
                               "step_ms_p50": pytest.approx(1250.0), "requests_per_step": pytest.approx(4.0),
                               # 13 ms is over 3x the 4 ms median: one slow step
-                              "sched_s": pytest.approx(0.020), "slow_steps": 1, "slow_sched_s": pytest.approx(0.013)}
+                              "sched_s": pytest.approx(0.020), "slow_steps": 1, "slow_sched_s": pytest.approx(0.013),
+                              "path_pages": None, "decode_steps_with_path_pages": None}  # no pool counts
     assert runs[1].result["sched_ms_p50"] == pytest.approx(5.0) and runs[1].result["sched_steps"] == 1
     # With the replay count (cumulative, the 6th field): 30 replays over the window's 3 steps.
     log.write_text("".join(json.dumps([*r, 10 * i]) + "\n" for i, r in enumerate(rows)))
@@ -305,3 +306,21 @@ def test_step_stats_summarizes_a_step_log_as_the_phase_metrics(tmp_path: Path, c
     log.write_text(json.dumps([1.0, 0.0, 0.0, 0, 0]) + "\n")
     with pytest.raises(SystemExit, match="no step that ran work"):
         bs.step_log_main([str(log)])
+
+
+def test_pages_on_the_schedulers_path_are_each_steps_own_change_of_the_pools_counts() -> None:
+    """A row ends with the pool's counts so far (maps, unmaps, blocking maps): each step's own
+    pages on the scheduler's path are its change of unmaps + blocking maps since the row before,
+    an idle row's included; background maps (maps alone) are not on the path."""
+    rows = [[1.0, 0.001, 0.001, 4, 64, 0, 10, 0, 10],  # the first: no row before it
+            [1.1, 0.001, 0.001, 4, 4, 0, 12, 0, 10],   # decode, 2 maps sent ahead: none on the path
+            [1.2, 0.001, 0.001, 4, 4, 0, 13, 2, 11],   # decode, 1 blocking map and 2 unmaps: 3
+            [1.3, 0.0, 0.0, 0, 0, 0, 13, 5, 11],       # idle: its 3 unmaps are its own
+            [1.4, 0.001, 0.001, 4, 40, 0, 14, 5, 12]]  # prefill: 1 blocking map
+    annotated = bs.with_path_pages(rows)
+    assert [r[bs.PATH_PAGES] for r in annotated] == [None, 0, 3, 3, 1]
+    busy = [r for r in annotated if r[3] > 0]
+    assert bs.path_pages(busy) == {"path_pages": 4, "decode_steps_with_path_pages": 1}
+    old = bs.with_path_pages([[1.0, 0.001, 0.001, 4, 4, 7], [1.1, 0.001, 0.001, 4, 4, 9]])  # a log before the counts
+    assert bs.path_pages(old) == {"path_pages": None, "decode_steps_with_path_pages": None}
+    assert bs.step_stats(old)["graph_replays_per_step"] == pytest.approx(1.0)

@@ -11,11 +11,12 @@ every class-level wrapper (kvcached's seams, whichever plugin loaded first) is i
 timed region. Step i is the i-th ``schedule`` with the i-th ``update_from_output`` (async
 scheduling runs one ahead), as in ``benchmarks/bench_scheduler.py``.
 
-Each step appends one JSON line ``[wall_time, schedule_s, update_s, requests, tokens, replays]``
-(``requests``: requests scheduled in the step; ``replays``: CUDA graph replays in this process so
-far, counted at the step's update: where the worker runs in the EngineCore process, as with
-vLLM's UniProcExecutor on one GPU, a phase's replays per step show whether its steps ran as
-graphs or fell back to eager) to the path, buffered: written every
+Each step appends one JSON line ``[wall_time, schedule_s, update_s, requests, tokens, replays,
+maps, unmaps, blocking_maps]`` (``requests``: requests scheduled in the step; ``replays``: CUDA
+graph replays in this process so far, counted at the step's update: where the worker runs in
+the EngineCore process, as with vLLM's UniProcExecutor on one GPU, a phase's replays per step
+show whether its steps ran as graphs or fell back to eager; the last three: the kvcached pool's
+page counts so far, `page_counts`, zeros on native) to the path, buffered: written every
 `FLUSH_EVERY` steps and whenever the engine runs out of requests (outside the timed
 region), and when the scheduler shuts down or the process exits.
 """
@@ -26,6 +27,7 @@ import atexit
 import json
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,7 @@ class StepLog:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.rows: list[tuple[float, float, float, int, int, int]] = []
+        self.rows: list[tuple[float, ...]] = []
 
     def flush(self) -> None:
         if not self.rows:
@@ -83,6 +85,7 @@ def instrument(sched: Any, path: str) -> StepLog:
     shutdown_fn = type(sched).shutdown.__get__(sched)
     scheduled: deque[tuple[float, float, int, int]] = deque()  # steps awaiting their update
     clock = time.perf_counter
+    pages = page_counts(sched)
 
     def schedule(*args: Any, **kwargs: Any) -> Any:
         t = clock()
@@ -97,7 +100,7 @@ def instrument(sched: Any, path: str) -> StepLog:
         dt = clock() - t
         if scheduled:
             wall, schedule_s, requests, tokens = scheduled.popleft()
-            log.rows.append((wall, schedule_s, dt, requests, tokens, ReplayCounter.count))
+            log.rows.append((wall, schedule_s, dt, requests, tokens, ReplayCounter.count, *pages()))
             if len(log.rows) >= FLUSH_EVERY or not sched.has_unfinished_requests():
                 log.flush()  # outside the timed region; idle: a reader may be waiting
         return out
@@ -109,6 +112,22 @@ def instrument(sched: Any, path: str) -> StepLog:
     sched.schedule, sched.update_from_output, sched.shutdown = schedule, update_from_output, shutdown
     atexit.register(log.flush)
     return log
+
+
+def page_counts(sched: Any) -> Callable[[], tuple[int, int, int]]:
+    """What a step row ends with: the scheduler's kvcached pool's kv pages mapped (refills
+    sent ahead included), unmapped, and mapped or waited for on the scheduler's path
+    (``blocking_maps``), so far (`kvcached.pages.PagePool.counters`); (0, 0, 0) for a native
+    pool, which maps nothing. Read after the step's update, outside its timed region."""
+    pool = getattr(getattr(getattr(sched, "kv_cache_manager", None), "block_pool", None), "page_pool", None)
+    if pool is None:
+        return lambda: (0, 0, 0)
+
+    def counts() -> tuple[int, int, int]:
+        c = pool.counters()
+        return c.maps, c.unmaps, c.blocking_maps
+
+    return counts
 
 
 def install(path: str) -> None:
