@@ -620,9 +620,8 @@ def check_order(done: Sequence[str], sides: Sequence[str]) -> None:
                                 f"{', '.join(done) or 'none'}; they run in the order {', '.join(SIDES)}")
 
 
-def run_side(side: str, plan: SharingPlan, work: Path, state: SharingRun) -> None:
-    """Run ``side``, the next one `state` lacks (`check_order`: each needs the ones before it)."""
-    check_order(state.done, [side])
+def _run_side(side: str, plan: SharingPlan, work: Path, state: SharingRun) -> None:
+    """Run ``side``, the next one `state` lacks (`run` checked the order before the first)."""
     say(f"{side} side")
     if side == "native":
         state.reference = native_side(plan, work, state.result)
@@ -643,7 +642,7 @@ def run(plan: SharingPlan, work: Path, sides: Sequence[str] = SIDES, state_path:
         state = SharingRun(SharingResult(plan=asdict(plan)))
     check_order(state.done, sides)  # before any server starts
     for side in sides:
-        run_side(side, plan, work, state)
+        _run_side(side, plan, work, state)
         if state_path is not None:
             state.save(state_path)
     return state
