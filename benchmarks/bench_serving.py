@@ -281,6 +281,8 @@ class ServerFacts:
     pool: dict[str, Any] | None = None
     #: Engine steps per CUDA graph runtime mode over the server's life (`graph_modes`).
     graph_modes: dict[str, int] | None = None
+    #: Seconds from the server's launch to its exit, phases included (None: saved before this field).
+    wall_s: float | None = None
 
 
 @dataclass
@@ -425,6 +427,7 @@ def serve_side(sess: Session, model: BenchModel, tok_dir: Path, side: str, rnd: 
                       extra_args=("--cudagraph-metrics",) if setup.graph_metrics else (), device=setup.device)
     windows: list[tuple[PhaseRun, float, float]] = []
     wanted = [p for p in PHASE_ORDER if p in sess.phases or (p == "saturation" and model.name not in sess.rates)]
+    launched = time.monotonic()
     with serving(spec, tok_dir, out, max_model_len=setup.max_model_len, kv_cache_bytes=model.kv_cache_bytes,
                  start_timeout_s=600.0) as server:
         active = check_active(model.name, side, server.log())
@@ -447,7 +450,8 @@ def serve_side(sess: Session, model: BenchModel, tok_dir: Path, side: str, rnd: 
     pools = parse_shutdown_lines(log)
     sess.servers.append(ServerFacts(model.name, side, rnd, server.start_s, int(server.proc.returncode), active,
                                     str(server.log_path), runner, pools[-1] if pools else None,
-                                    graph_modes(log) if setup.graph_metrics else None))
+                                    graph_modes(log) if setup.graph_metrics else None,
+                                    round(time.monotonic() - launched, 1)))
 
 
 def add_step_times(step_log: Path, windows: Sequence[tuple[PhaseRun, float, float]]) -> None:
@@ -535,12 +539,29 @@ def prepare_model(model: BenchModel) -> Path:
     return with_tokenizer(src, model_path(model.spec).parent / "serving" / src.name)
 
 
+class OutOfTime(Exception):
+    """The next server would not finish within ``--time-budget``: the run stops between servers,
+    its finished ones saved, to go on with ``--resume``."""
+
+
+def check_time(sess: Session, budget_s: float | None, used_s: float, server: tuple[str, int, str]) -> None:
+    """Raise `OutOfTime` when ``server`` would not fit the ``budget_s - used_s`` seconds left, by the
+    longest finished server's time. Before any server has a time, none is refused: a part starts
+    at least one."""
+    times = [f.wall_s for f in sess.servers if f.wall_s is not None]
+    if budget_s is not None and times and used_s + max(times) > budget_s:
+        raise OutOfTime(f"{budget_s - used_s:.0f} s of --time-budget left, a server takes up to "
+                        f"{max(times):.0f} s: stopped before {'/'.join(map(str, server))}")
+
+
 def run_all(sess: Session, models: Sequence[BenchModel], rounds: int,
-            checkpoint: Callable[[], None] = lambda: None) -> None:
+            checkpoint: Callable[[], None] = lambda: None, budget_s: float | None = None) -> None:
     """Every model's rounds, the sides interleaved; ``checkpoint`` runs after each server, so a run
-    cut short (a GPU lease that ends) keeps the rounds it finished."""
+    cut short (a GPU lease that ends) keeps the rounds it finished. With ``budget_s``, no server
+    starts that would not finish within it (`check_time`)."""
     from conformance.progress import RunProgress
 
+    t0 = time.monotonic()
     left = [s for s in planned_servers(models, rounds) if s not in finished(sess)]
     total = len(left) * len(sess.phases) + sum("saturation" not in sess.phases and m.name not in sess.rates
                                                for m in models)
@@ -549,6 +570,7 @@ def run_all(sess: Session, models: Sequence[BenchModel], rounds: int,
             tok_dir = prepare_model(model)
             for name, rnd, side in left:
                 if name == model.name:
+                    check_time(sess, budget_s, time.monotonic() - t0, (name, rnd, side))
                     serve_side(sess, model, tok_dir, side, rnd, progress)
                     checkpoint()
 
@@ -922,6 +944,9 @@ def main() -> int:
                          "named in the report")
     ap.add_argument("--render", action="store_true", help="render the report again from serving.json in --out "
                     "(a run cut short: from serving.partial.json, the rounds it finished)")
+    ap.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                    help="start no server that would not finish within SECONDS of this part's start (by the longest "
+                    "finished server's time); the run stops between servers, saved for --resume (exit status 3)")
     ap.add_argument("--resume", action="store_true", help="go on with the run cut short in --out "
                     "(serving.partial.json; the same arguments): its finished servers are kept, the rest run")
     args = ap.parse_args()
@@ -969,7 +994,12 @@ def main() -> int:
 
     try:
         with exit_on_sigterm():  # a `timeout` around the run stops its server too
-            run_all(sess, models, rounds, save_partial)
+            run_all(sess, models, rounds, save_partial, args.time_budget)
+    except OutOfTime as e:
+        save_partial()
+        print(f"{e}; {len(sess.servers)} of {len(planned_servers(models, rounds))} servers done: "
+              "go on with --resume", flush=True)
+        return 3
     except BaseException:
         save_partial(aborted=True)
         raise

@@ -23,6 +23,7 @@
 # is the CUDA default since, so partial-12-04d (without it) is not resumed: a fresh run.
 #   fg 560 serving python3 benchmarks/bench_serving.py --device cuda --models 1b --rounds 3 --step-times \
 #       --out /tmp/gpu-out/serving --logs /tmp/gpu-out/serving/logs
+#       --time-budget SECS (a few s under fg's): no server starts that would not end in the call;
 #       then the same with --resume in the next calls (a round of 3 phases: ~6 min; 3 rounds, the
 #       fewest a verdict takes, in ~3 calls); --kvcached-env KVCACHED_HOLD_STEPS=0 is the "before"
 #   fg 560 sharing python3 -m conformance.sharing --device cuda --quick --out /tmp/gpu-out/sharing --sides native
@@ -34,7 +35,8 @@
 # --device cuda --render h200` here joins them into one report.)
 #
 #   stage              copy the bundle parts this call carried into $STAGE (persists while warm)
-#   install            verify + install the bundle into $TARGET, build kvcached there
+#   install            verify + install the bundle into $TARGET, build kvcached there (BUNDLE_GROUPS=core: dense
+#                      models only, the moe part not staged: a call fewer)
 #   chunk SECS ARGS    the CUDA conformance matrix (ARGS: --archetypes ... ) in the foreground, then pack
 #   fg SECS NAME CMD   any run in the foreground (log $R/NAME.log), then pack
 #   before             build the kvcached of .gpu/before.tar (`git archive REV pyproject.toml CMakeLists.txt
@@ -77,7 +79,7 @@ stage)
     mkdir -p $STAGE; cp -v .gpu/bundle/* $STAGE/; ls -la $STAGE; df -h /tmp | tail -1 ;;
 install)
     t0=$(date +%s)
-    python3 -m serving_probes.gpu_bundle install --bundle $STAGE --target $TARGET --repo . --groups core,moe
+    python3 -m serving_probes.gpu_bundle install --bundle $STAGE --target $TARGET --repo . --groups ${BUNDLE_GROUPS:-core,moe}
     rc=$?; echo "install rc=$rc $(( $(date +%s) - t0 ))s"; ls $SITE | head -50 | tr '\n' ' ' ;;
 fg)
     shift; secs=$1; name=$2; shift 2; workdir

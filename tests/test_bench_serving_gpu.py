@@ -212,6 +212,25 @@ def test_a_run_cut_short_resumes_with_the_servers_it_lacks(tmp_path: Path) -> No
     assert "Run in 2 parts (--resume, each on a fresh server set; parts began d1, d2" in bs.build(doc).body[0].blocks[1].text
 
 
+def test_a_time_budget_starts_no_server_that_would_not_finish_in_it(tmp_path: Path) -> None:
+    """`--time-budget` stops between servers by the longest finished server's time, the saved
+    part's included; a server saved before servers had a time is no estimate, and a part's first
+    server with no estimate starts."""
+    plan = {"device": "cuda", "models": ["1b"], "phases": ["saturation", "rate"], "prompts": {"1b": 8}, "rounds": 3}
+    doc = _cut_short(tmp_path, plan)
+    assert all("wall_s" in f for f in doc["servers"])
+    for f in doc["servers"]:
+        del f["wall_s"]  # a run saved before ServerFacts had it
+    sess, _ = bs.resume(doc, plan, tmp_path)
+    bs.check_time(sess, 10.0, 9.0, ("1b", 2, "native"))  # no time known: it starts
+    sess.servers[0].wall_s, sess.servers[1].wall_s = 120.0, 190.0
+    bs.check_time(sess, 500.0, 310.0, ("1b", 2, "native"))
+    bs.check_time(sess, None, 9999.0, ("1b", 2, "native"))
+    with pytest.raises(bs.OutOfTime, match="189 s of --time-budget left, a server takes up to 190 s: "
+                                           "stopped before 1b/2/native"):
+        bs.check_time(sess, 500.0, 311.0, ("1b", 2, "native"))
+
+
 def test_an_ablation_names_kvcached_knobs_checked_by_kvcacheds_own_parser() -> None:
     """`--kvcached-env` takes only kvcached's own knobs, with values its config accepts; a bad item
     stops the run before any server starts, naming it. The report calls such a run an ablation."""
