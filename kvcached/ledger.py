@@ -466,6 +466,7 @@ class BlockLedger:
             page_takes=c.takes,
             reserve_hits=c.reserve_hits,
             blocking_maps=c.blocking_maps,
+            blocking_unmaps=c.blocking_unmaps,
             unmap_failures=c.unmap_failures,
             quarantined_pages=c.quarantined_pages,
             health=c.health,

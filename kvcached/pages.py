@@ -38,11 +38,16 @@ as a retry that skips what is gone), name the pages a failed map left behind
   they join the reserve once every rank confirmed, at the pool's next decision. A refused
   refill leaves nothing usable and is counted as a map failure (what a rank's failed undo
   left mapped is quarantined, as for a map that waits). So a step whose demand the
-  reserve covers waits for no round trip.
+  reserve covers waits for no round trip;
+* in such a space an unmap is sent the same way (`unmap_pages_later`): the pages leave the
+  reserve and the ledger's books at once, are ``draining`` until every rank confirmed, and
+  are never mapped or handed out before. So a step that gives pages back waits for no
+  driver call either; a page wanted again while draining is waited for first.
 
 Thread safety: every public method of `PagePool` holds its (re-entrant) lock, and the
-policies are only called under it. A background refill thread (``kvcached-refill``) only
-completes the confirmations of deferred maps, which the pool reads under its lock.
+policies are only called under it. A background thread (``kvcached-refill``) only
+completes the confirmations of deferred maps and unmaps, which the pool reads under its
+lock.
 
 Cost: every decision is proportional to the pages it touches, never to the space. The
 mapped set is kept as it changes, the lowest unmapped pages come from a lazy min-heap,
@@ -71,8 +76,8 @@ from kvcached.policies import (
 )
 
 __all__ = [
-    "FAILED_AFTER", "MAX_RETRY_STEPS", "Charger", "Confirmation", "KvPageSpace", "Limiter", "PagePool",
-    "PageSpace", "PendingRefills", "PoolCounters", "PoolHealth", "Range", "Settled",
+    "FAILED_AFTER", "MAX_RETRY_STEPS", "UNMAP_BATCH_PAGES", "Charger", "Confirmation", "KvPageSpace", "Limiter",
+    "PagePool", "PageSpace", "PendingRefills", "PoolCounters", "PoolHealth", "Range", "Settled",
 ]
 
 
@@ -119,8 +124,11 @@ class KvPageSpace(Protocol):
       same for a `Confirmation` that raises).
     * ``map_pages_later`` sends a map and returns its `Confirmation`. ``defers_maps``: True
       when that returns before the maps are done (the pool then refills ahead of demand
-      with it); False when it maps at once, in which case the pool maps its refills itself
-      and never calls it.
+      with it, and gives pages back with ``unmap_pages_later``); False when it maps at
+      once, in which case the pool maps and unmaps itself and never calls either.
+    * ``unmap_pages_later`` sends a strict unmap of pages no failed call left anywhere and
+      returns its `Confirmation`, which raises as ``unmap_pages`` would (`still_mapped`
+      then names what is left).
     * ``unmap_pages``: ``strict`` makes a page no backing maps an `InvariantError` before
       anything changes; a retry after a partial failure passes False (what is left is
       unmapped, what is gone is skipped). A failure raises `BackendError` after every
@@ -143,13 +151,14 @@ class KvPageSpace(Protocol):
     def map_pages(self, kv_pages: Sequence[int]) -> None: ...
     def map_pages_later(self, kv_pages: Sequence[int]) -> Confirmation: ...
     def unmap_pages(self, kv_pages: Sequence[int], *, strict: bool = True) -> None: ...
+    def unmap_pages_later(self, kv_pages: Sequence[int]) -> Confirmation: ...
     def still_mapped(self, kv_pages: Sequence[int]) -> list[int]: ...
     def physical_available(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
 class Settled:
-    """The `Confirmation` of a map that already happened (or failed with ``error``)."""
+    """The `Confirmation` of a map or unmap that already happened (or failed with ``error``)."""
 
     error: BackendError | None = None
 
@@ -208,6 +217,14 @@ class PageSpace:
         would have."""
         try:
             self.map_pages(kv_pages)
+        except BackendError as exc:
+            return Settled(exc)
+        return Settled()
+
+    def unmap_pages_later(self, kv_pages: Sequence[int]) -> Confirmation:
+        """Unmap now (strictly), as `map_pages_later` maps now."""
+        try:
+            self.unmap_pages(kv_pages)
         except BackendError as exc:
             return Settled(exc)
         return Settled()
@@ -332,6 +349,7 @@ class PoolCounters:
     unmap_failures: int = 0  # unmap batches a backing refused (their pages quarantined)
     quarantined_pages: int = 0  # pages whose unmap failed somewhere, until a retry succeeds
     health: PoolHealth = PoolHealth.HEALTHY
+    blocking_unmaps: int = 0  # pages unmapped, or waited for, on the caller's path
 
 
 
@@ -345,6 +363,7 @@ class PoolTally:
     takes: int = 0  # pages made in use
     reserve_hits: int = 0  # ... that were mapped already (no driver call, no wait)
     blocking_maps: int = 0  # pages mapped, or waited for, on the caller's path
+    blocking_unmaps: int = 0  # pages unmapped, or waited for, on the caller's path
     peak: int = 0  # most pages mapped at once
 
 
@@ -389,10 +408,30 @@ class LowestUnmapped:
                 heapq.heappush(self.heap, page)
 
 
-class PendingRefills:
-    """Refills sent without waiting (a space that defers maps): kv page -> its `Confirmation`.
+#: The most kv pages one unmap sent without waiting carries. A map that must wait meets at
+#: most one such batch on the rank (which applies one request at a time), and each batch's
+#: pages become free as soon as it is done.
+UNMAP_BATCH_PAGES = 16
 
-    Invariants: a pending page is neither in the pool's mapped set nor handed out; the
+
+@dataclass(frozen=True, slots=True)
+class _AnyOf:
+    """A container of what any of ``parts`` contains (no set built per question)."""
+
+    parts: tuple[Container[int], ...]
+
+    def __init__(self, *parts: Container[int]) -> None:
+        object.__setattr__(self, "parts", parts)
+
+    def __contains__(self, item: object) -> bool:
+        return any(item in part for part in self.parts)
+
+
+class PendingRefills:
+    """Requests sent without waiting (a space that defers maps): kv page -> its
+    `Confirmation`. A pool keeps its refills in one and its unmaps in another.
+
+    Invariants: a page in either is neither in the pool's mapped set nor handed out; the
     pages of one confirmation leave together, when it is settled, exactly once.
     """
 
@@ -441,8 +480,10 @@ class PagePool:
     """The mapped set of one `KvPageSpace`, under the policies it is given and a step fence.
 
     Invariants (under ``_lock``): ``_mapped == in_use | reserve | quarantined``, the three
-    disjoint; ``pending`` is disjoint from ``_mapped``; a quarantined or pending page is
-    never handed out; every change of ``_mapped`` is told to the watcher.
+    disjoint; ``pending`` (refills in flight) and ``draining`` (unmaps in flight) are
+    disjoint from ``_mapped`` and from each other; a quarantined, pending or draining page
+    is never handed out, and a draining one is never mapped before it is settled; every
+    change of ``_mapped`` is told to the watcher (a draining page's, when it is sent).
     """
 
     def __init__(
@@ -470,6 +511,7 @@ class PagePool:
         self.in_use: set[int] = set()
         self.reserve: dict[int, int] = {}  # kv page -> fence ticket of its release
         self.pending = PendingRefills()
+        self.draining = PendingRefills()  # unmaps in flight (`unmap_pages_later`)
         self._mapped: set[int] = set()  # == in_use | reserve | quarantined, kept as it changes
         self._unmapped = LowestUnmapped(space.num_kv_pages)
         self._tally = PoolTally()
@@ -522,10 +564,12 @@ class PagePool:
         self._watcher = watcher
 
     def lowest_unmapped(self, n: int, *, skip_pending: bool = False) -> list[int]:
-        """Up to ``n`` unmapped kv pages, lowest first (pages of a refill in flight count
-        as unmapped unless ``skip_pending``). O(n log N) amortized; no state changes."""
+        """Up to ``n`` unmapped kv pages, lowest first (pages of a refill or an unmap in flight
+        count as unmapped unless ``skip_pending``: a take of one waits for it). O(n log N)
+        amortized; no state changes."""
         with self._lock:
-            return self._unmapped.lowest(n, self._mapped, self.pending if skip_pending else ())
+            skip = _AnyOf(self.pending, self.draining) if skip_pending else ()
+            return self._unmapped.lowest(n, self._mapped, skip)
 
     def settle(self) -> None:
         """Take in every refill whose replies have arrived (never waits)."""
@@ -558,13 +602,15 @@ class PagePool:
             return self.policies.limit.over(mapped=self._in_flight_mapped(), reserve=len(self.reserve))
 
     def counters(self) -> PoolCounters:
-        """Counts; pages of a refill in flight count as mapped (they are, or are being)."""
+        """Counts; pages of a refill in flight count as mapped (they are, or are being), and
+        so do those of an unmap in flight (until it is settled: ``maps - unmaps`` is the
+        mapped pages)."""
         with self._lock:
             t, q, pending = self._tally, self.policies.quarantine, len(self.pending)
-            mapped = len(self.in_use) + len(self.reserve) + pending
+            mapped = len(self.in_use) + len(self.reserve) + pending + len(self.draining)
             return PoolCounters(t.maps + pending, t.unmaps, t.map_failures, mapped, max(t.peak, mapped),
                                 len(self.reserve) + pending, t.takes, t.reserve_hits, t.blocking_maps,
-                                q.unmap_failures, len(q.pages), q.health)
+                                q.unmap_failures, len(q.pages), q.health, t.blocking_unmaps)
 
     # ---- mechanism -----------------------------------------------------------------
     def _map_batch(self, pages: Sequence[int]) -> None:
@@ -604,11 +650,16 @@ class PagePool:
             self._watcher(pages, ())
 
     def _confirm(self, wait: bool, pages: Iterable[int] | None = None) -> None:
-        """Settle refills in flight: confirmed pages join the reserve (ticket 0).
+        """Settle unmaps, then refills, in flight: confirmed refills join the reserve
+        (ticket 0), confirmed unmaps are free.
 
         ``wait=False`` settles only those whose replies are in (never waits); ``wait=True``
         settles those holding ``pages`` (default: all), waiting for their replies.
         """
+        if self.draining:
+            wanted = None if pages is None else list(pages)
+            self._settle_unmaps(wait, wanted)
+            pages = wanted
         if not self.pending:
             return
         for conf, batch in self.pending.take(wait, pages):
@@ -638,8 +689,59 @@ class PagePool:
         self.pending.add(pages, confirmation)
         return True
 
+    def _give_back(self, pages: list[int]) -> None:
+        """Unmap reserve ``pages``: sent without waiting where the space defers (`_unmap_later`),
+        else here, on the caller's path (counted as blocking)."""
+        if self.space.defers_maps:
+            self._unmap_later(pages)
+        else:
+            self._tally.blocking_unmaps += len(pages)
+            self._unmap(pages)
+
+    def _unmap_later(self, pages: list[int]) -> None:
+        """Send the unmap of reserve ``pages`` without waiting, in batches of at most
+        `UNMAP_BATCH_PAGES`: they leave the reserve and the mapped set now (the watcher is
+        told: no block of theirs is handed out again) and are ``draining`` until settled
+        (`_settle_unmaps`); those whose replies are already in are settled here (one that
+        was done when sent ran inline: an in-process worker with no background thread)."""
+        if not pages:
+            return
+        for page in pages:
+            del self.reserve[page]
+        self._mapped.difference_update(pages)
+        self._unmapped.freed(pages, self._mapped)  # candidates again; skipped while draining
+        self.policies.capacity.invalidate()
+        if self._watcher is not None:
+            self._watcher((), pages)
+        for i in range(0, len(pages), UNMAP_BATCH_PAGES):
+            batch = pages[i:i + UNMAP_BATCH_PAGES]
+            confirmation = self.space.unmap_pages_later(batch)
+            if confirmation.done():
+                self._tally.blocking_unmaps += len(batch)  # it ran inline, on the caller's path
+            self.draining.add(batch, confirmation)
+        self._settle_unmaps(wait=False)
+
+    def _settle_unmaps(self, wait: bool, pages: Iterable[int] | None = None) -> None:
+        """Settle unmaps in flight (as `_confirm` says which): their pages are free, except
+        those a refusing backing or rank still maps, which are quarantined (mapped, never
+        handed out, retried by `collect`). An unmap waited for here counts as blocking."""
+        for conf, batch in self.draining.take(wait, pages):
+            if not conf.done():
+                self._tally.blocking_unmaps += len(batch)
+            try:
+                conf.result()
+            except BackendError:
+                stuck = self.space.still_mapped(batch)
+                self.policies.quarantine.add(stuck)
+                self._mapped.update(stuck)
+                self._tally.unmaps += len(batch) - len(stuck)
+                self.policies.capacity.invalidate()
+                continue
+            self._tally.unmaps += len(batch)
+            self.policies.capacity.invalidate()
+
     def _unmap(self, pages: list[int]) -> None:
-        """Unmap reserve ``pages``. If a backing (or a rank) refuses, the pages it left
+        """Unmap reserve ``pages`` now. If a backing (or a rank) refuses, the pages it left
         mapped are quarantined instead: out of the reserve, never handed out or mapped
         again, still charged (the memory is still held somewhere), and retried by `collect`.
         The failure is counted (``unmap_failures``), not raised: the engine goes on without
@@ -737,7 +839,7 @@ class PagePool:
         with self._lock:
             wanted = sorted(set(pages))
             for page in wanted:
-                if page in self.in_use or page in self.reserve or page in self.pending \
+                if page in self.in_use or page in self.reserve or page in self.pending or page in self.draining \
                         or not 0 <= page < self.space.num_kv_pages:
                     raise InvariantError(f"kv page {page} is already known to the pool or out of range")
             for page in wanted:
@@ -753,12 +855,15 @@ class PagePool:
         until capacity runs out, which is expected here, not an error. A page the batch's
         failed undo left mapped somewhere is quarantined, not tried again. A page of a
         refill in flight is never mapped twice: it is waited for, after the batch (a channel
-        that keeps order has its reply in by then).
+        that keeps order has its reply in by then). A page of an unmap in flight is waited
+        for first, then mapped.
         """
         with self._lock:
             pages = list(pages)
+            self._settle_unmaps(wait=True, pages=pages)  # a page being unmapped is mapped after that
             in_flight = [p for p in pages if p in self.pending]
-            missing = [p for p in pages if p not in self.in_use and p not in self.reserve and p not in self.pending]
+            # Not mapped, not in flight; a page quarantined as its unmap was settled above is mapped.
+            missing = [p for p in pages if p not in self._mapped and p not in self.pending]
             mapped = 0
             if missing:
                 try:
@@ -795,19 +900,27 @@ class PagePool:
     def collect(self, keep: int | None = None, *, busy: bool = False) -> int:
         """Unmap reserve pages above ``keep`` whose ticket passed. ``keep`` None: the end of a
         step, keeping what the reserve policy says (`ReservePolicy.keep`: max_reserve_pages,
-        or while ``busy`` the hold window's), less what the pool is over its limit by."""
+        or while ``busy`` the hold window's), less what the pool is over its limit by.
+
+        Unmaps sent without waiting (`_unmap_later`) are waited for unless ``busy``: an
+        engine with no request left is not in a hurry, and its pages are gone when this
+        returns (its counters and its ranks' memory agree while it idles)."""
         with self._lock:
             self._confirm(wait=False)  # a refill in flight is never unmapped here
             if keep is not None:
-                return self._unmap_ready(keep)
-            # The end of a step: its takes set the pace, the quarantine's backoff moves on,
-            # and the limit is read (and the pool's bytes published) for the next one.
-            reserve = self.policies.reserve
-            reserve.end_step(in_use=len(self.in_use), busy=busy)
-            self.policies.quarantine.end_step()
-            self._retry_quarantine()
-            self._poll_limit()
-            return self._unmap_ready(reserve.keep(len(self.in_use)), limited=True)
+                unmapped = self._unmap_ready(keep)
+            else:
+                # The end of a step: its takes set the pace, the quarantine's backoff moves
+                # on, and the limit is read (and the pool's bytes published) for the next one.
+                reserve = self.policies.reserve
+                reserve.end_step(in_use=len(self.in_use), busy=busy)
+                self.policies.quarantine.end_step()
+                self._retry_quarantine()
+                self._poll_limit()
+                unmapped = self._unmap_ready(reserve.keep(len(self.in_use)), limited=True)
+            if not busy:
+                self._settle_unmaps(wait=True)
+            return unmapped
 
     def shed(self) -> int:
         """Unmap the reserve pages (those the fence allows) the pool is over its limit by."""
@@ -828,7 +941,7 @@ class PagePool:
         # mapped set compact.
         ready = sorted((p for p, t in self.reserve.items() if self.fence.passed(t)), reverse=True)
         victims = ready[:excess]
-        self._unmap(victims)
+        self._give_back(victims)
         if victims and limited:
             self._poll_limit()
         return len(victims)
@@ -841,7 +954,8 @@ class PagePool:
         return self.collect(keep=0)
 
     def close(self) -> None:
-        """Unmap everything (teardown). In-use pages are a caller bug only if the engine is alive."""
+        """Unmap everything (teardown), unmaps in flight waited for. In-use pages are a caller
+        bug only if the engine is alive."""
         with self._lock:
             self._confirm(wait=True)
             self.reserve.update({p: 0 for p in self.in_use})

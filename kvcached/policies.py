@@ -337,6 +337,9 @@ class FailingSpace:
     def unmap_pages(self, kv_pages: Sequence[int], *, strict: bool = True) -> None:
         self.inner.unmap_pages(kv_pages, strict=strict)
 
+    def unmap_pages_later(self, kv_pages: Sequence[int]) -> Confirmation:
+        return self.inner.unmap_pages_later(kv_pages)
+
     def still_mapped(self, kv_pages: Sequence[int]) -> list[int]:
         return self.inner.still_mapped(kv_pages)
 

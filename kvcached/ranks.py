@@ -34,9 +34,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from kvcached.errors import DriverError, InvariantError, KvcachedError, PhysicalMemoryExhausted
+from kvcached.errors import BackendError, DriverError, InvariantError, KvcachedError, PhysicalMemoryExhausted
 from kvcached.faults import FaultInjector, rank_map_site
-from kvcached.pages import PageSpace
+from kvcached.pages import Confirmation, PageSpace, Settled
 from kvcached.space import Geometry
 
 #: How long a rank reuses its measured free physical memory (moved by its own maps).
@@ -243,6 +243,26 @@ class _LaterMap:
         self.space.settle_map(self.pages, self.space.check_replies("map", replies))
 
 
+@dataclass(eq=False)
+class _LaterUnmap:
+    """An unmap sent to every rank without waiting (`RankedPageSpace.unmap_pages_later`)."""
+
+    space: RankedPageSpace
+    pages: tuple[int, ...]
+    future: Any
+
+    def done(self) -> bool:
+        return bool(self.future.done())
+
+    def result(self) -> None:
+        if not self.future.done():
+            self.space.calls["unmap (waited)"] += 1
+        replies = self.space.check_replies("unmap", list(self.future.result()))
+        if failed := [r for r in replies if not r.ok]:
+            self.space.note_held(failed)
+            raise DriverError(f"kv pages {list(self.pages)} not unmapped on {_names(failed)}")
+
+
 @dataclass
 class RankedPageSpace:
     """Scheduler side: the kv pages of an engine whose memory lives on ``ranks`` ranks.
@@ -264,6 +284,7 @@ class RankedPageSpace:
     #: unmap they refused), with those ranks: the other ranks map none of them.
     _held_by: dict[int, frozenset[int]] = field(default_factory=dict)
     deferred: int = 0  # maps sent ahead of demand without waiting (confirmed later)
+    deferred_unmaps: int = 0  # unmaps sent without waiting (settled later)
     _available: tuple[float, int] = (0.0, 0)
 
     @property
@@ -327,11 +348,11 @@ class RankedPageSpace:
         refused = [r for r in replies if not r.ok]
         if not refused:
             return
-        self._note_held(refused)
+        self.note_held(refused)
         done = frozenset(r.rank for r in replies if r.ok)
         if done:
             undo = self._call(PageRequest("unmap", pages, done))
-            self._note_held([r for r in undo if not r.ok])
+            self.note_held([r for r in undo if not r.ok])
         why = "; ".join(f"rank {r.rank}: {r.message}" for r in refused)
         if left := self.still_mapped(pages):
             raise DriverError(f"kv pages {list(pages)} not mapped: {why}; undoing it left kv pages {left} "
@@ -340,7 +361,7 @@ class RankedPageSpace:
             raise PhysicalMemoryExhausted(f"kv pages {list(pages)} not mapped: {why}")
         raise DriverError(f"kv pages {list(pages)} not mapped: {why}")
 
-    def _note_held(self, replies: Sequence[RankReply]) -> None:
+    def note_held(self, replies: Sequence[RankReply]) -> None:
         """Remember the pages failed calls left on the ranks that replied so."""
         for reply in replies:
             for page in reply.held:
@@ -367,10 +388,24 @@ class RankedPageSpace:
             refused = [r for r in replies if not r.ok]
             for page in pages:  # what the ranks that were asked hold now
                 self._held_by.pop(page, None)
-            self._note_held(refused)
+            self.note_held(refused)
             failed += refused
         if failed:
             raise DriverError(f"kv pages {list(kv_pages)} not unmapped on {_names(failed)}")
+
+    def unmap_pages_later(self, kv_pages: Sequence[int]) -> Confirmation:
+        """Send an unmap to every rank now and return at once; ``result()`` raises as
+        `unmap_pages` would. Pages a failed call left on some ranks go the waiting way
+        (`unmap_pages`, to those ranks only): a settled confirmation is returned."""
+        pages = tuple(kv_pages)
+        if any(p in self._held_by for p in pages):
+            try:
+                self.unmap_pages(pages)
+            except BackendError as exc:
+                return Settled(exc)
+            return Settled()
+        self.deferred_unmaps += 1
+        return _LaterUnmap(self, pages, self.channel.call_later(PageRequest("unmap", pages)))
 
     def still_mapped(self, kv_pages: Sequence[int]) -> list[int]:
         """Those of ``kv_pages`` that a failed map (or unmap) of them left mapped on some

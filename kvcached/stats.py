@@ -45,6 +45,10 @@ class PoolStats:
     reserve, or a refill sent ahead whose reply was in). ``blocking_maps`` counts kv pages
     mapped on the scheduler's path, or whose refill it had to wait for (0 while the reserve
     covers the demand); ``maps`` counts every page mapped, refills sent ahead included.
+    ``blocking_unmaps`` counts kv pages unmapped on the scheduler's path, or whose unmap it
+    had to wait for (an engine whose ranks take unmaps without waiting: only a page wanted
+    again while it drains); ``unmaps`` counts every page unmapped. `path_pages` is the two
+    together: the driver work a step waited for.
 
     ``map_failures`` counts page-map batches the backend refused; ``admission_misses``
     counts admission checks the pool had to answer with fewer blocks than asked because
@@ -77,6 +81,12 @@ class PoolStats:
     quarantined_pages: int = 0
     health: PoolHealth = PoolHealth.HEALTHY
     budget_error: str = ""
+    blocking_unmaps: int = 0
+
+    @property
+    def path_pages(self) -> int:
+        """kv pages mapped, unmapped or waited for on the scheduler's path."""
+        return self.blocking_maps + self.blocking_unmaps
 
     @property
     def reserve_hit_rate(self) -> float:

@@ -189,6 +189,53 @@ def test_an_admission_beyond_the_reserve_costs_one_round_trip() -> None:
     pool.close()
 
 
+class LaterChannel(InOrderChannel):
+    """A request sent without waiting is applied when its result is asked for (a background
+    thread that has not run yet); one that waits is applied at once."""
+
+    def call_later(self, request: PageRequest) -> object:
+        channel, replies = self, []
+
+        class Later:
+            def done(self) -> bool:
+                return bool(replies)
+
+            def result(self) -> list[RankReply]:
+                if not replies:
+                    replies.extend(channel.call(request))
+                return replies
+
+        return Later()
+
+
+def test_a_busy_step_gives_pages_back_without_waiting_for_the_ranks() -> None:
+    """A busy step's end sends its unmaps and waits for none: the pages leave the reserve and
+    are never offered again until the ranks confirmed; a page wanted again meanwhile is waited
+    for, then mapped; an idle step's end waits for what is left."""
+    ranks = [_rank(0), _rank(1)]
+    channel = LaterChannel(ranks)
+    geometry, _, _ = check_layouts([r.layout() for r in ranks])
+    space = RankedPageSpace(geometry, channel, 2)
+    pool = PagePool(space, KvcachedConfig(min_reserve_pages=0, max_reserve_pages=0, capacity_ttl_s=0.0),
+                    fence=StepFence())
+    pool.acquire([0, 1, 2, 3])
+    pool.release([1, 2, 3])
+    pool.collect(busy=True)  # above the reserve: 3 pages to give back
+    assert set(pool.draining) == {1, 2, 3} and pool.mapped == {0} and space.deferred_unmaps == 1
+    assert "unmap" not in space.calls and all(r.mapped == {0, 1, 2, 3} for r in ranks), "nothing waited for"
+    assert pool.lowest_unmapped(2, skip_pending=True) == [4, 5]
+    counters = pool.counters()
+    assert counters.mapped_pages == 4 and counters.unmaps == 0 and counters.blocking_unmaps == 0
+    pool.acquire([2])  # wanted again while it drains: its unmap is waited for, then it is mapped
+    assert not pool.draining and all(r.mapped == {0, 2} for r in ranks)
+    assert pool.counters().blocking_unmaps == 3 and pool.counters().unmaps == 3
+    pool.release([2])
+    pool.collect(busy=False)  # idle: the unmap is sent and waited for
+    assert not pool.draining and all(r.mapped == {0} for r in ranks) and pool.counters().blocking_unmaps == 4
+    pool.close()
+    assert all(not r.mapped for r in ranks)
+
+
 def test_an_unmap_failure_on_one_rank_quarantines_the_page_until_the_retry() -> None:
     space, ranks, _ = _engine(None, None)
     backing = FailingRange(ranks[1].space.ranges[0])
