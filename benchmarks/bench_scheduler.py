@@ -97,7 +97,7 @@ def _workload(n: int, seed: int = 0) -> list[list[int]]:
 def _driver_calls() -> int:
     import kvcached
 
-    return sum(s.blocking_maps + s.unmaps for s in kvcached.stats().values())
+    return sum(s.path_pages for s in kvcached.stats().values())
 
 
 class StepTimer:

@@ -499,21 +499,27 @@ def path_pages(steps: Sequence[Sequence[float]]) -> dict[str, Any]:
 
 
 #: Where `with_path_pages` puts a row's own pages on the scheduler's path.
-PATH_PAGES = 9
+PATH_PAGES = 10
 
 
 def with_path_pages(rows: Sequence[Sequence[float]]) -> list[list[Any]]:
     """Step-log rows, each with its step's own kv pages on the scheduler's path appended: the
-    change of unmaps + blocking maps (the counts so far a row ends with) since the row before,
-    whether or not that one ran work (an idle step's unmaps are its own). Rows of older logs
-    are padded to 9 fields with None; the pages are None where the log has no counts, and for
-    the first row."""
+    change since the row before (whether or not that one ran work: an idle step's unmaps
+    are its own) of blocking maps + blocking unmaps (`kvcached.stats.PoolStats.path_pages`).
+    A log of 9 fields predates ``blocking_unmaps``: every unmap was on the scheduler's path
+    then, so unmaps stand in for it. Rows are padded to 10 fields with None; the pages are
+    None where the log has no counts, and for the first row."""
     out: list[list[Any]] = []
     for i, row in enumerate(rows):
         before = rows[i - 1] if i else None
         counted = len(row) >= 9 and before is not None and len(before) >= 9
-        padded = [*row[:9], *[None] * (9 - len(row))]  # older logs: fewer fields, None for the rest
-        out.append([*padded, (row[7] - before[7]) + (row[8] - before[8]) if counted else None])  # type: ignore[index]
+        padded = [*row[:10], *[None] * (10 - len(row))]  # older logs: fewer fields, None for the rest
+        pages = None
+        if counted:
+            assert before is not None
+            unmaps = 9 if len(row) >= 10 and len(before) >= 10 else 7  # blocking unmaps, or (older) all
+            pages = (row[unmaps] - before[unmaps]) + (row[8] - before[8])
+        out.append([*padded, pages])
     return out
 
 

@@ -328,18 +328,21 @@ def test_step_stats_summarizes_a_step_log_as_the_phase_metrics(tmp_path: Path, c
 
 
 def test_pages_on_the_schedulers_path_are_each_steps_own_change_of_the_pools_counts() -> None:
-    """A row ends with the pool's counts so far (maps, unmaps, blocking maps): each step's own
-    pages on the scheduler's path are its change of unmaps + blocking maps since the row before,
-    an idle row's included; background maps (maps alone) are not on the path."""
-    rows = [[1.0, 0.001, 0.001, 4, 64, 0, 10, 0, 10],  # the first: no row before it
-            [1.1, 0.001, 0.001, 4, 4, 0, 12, 0, 10],   # decode, 2 maps sent ahead: none on the path
-            [1.2, 0.001, 0.001, 4, 4, 0, 13, 2, 11],   # decode, 1 blocking map and 2 unmaps: 3
-            [1.3, 0.0, 0.0, 0, 0, 0, 13, 5, 11],       # idle: its 3 unmaps are its own
-            [1.4, 0.001, 0.001, 4, 40, 0, 14, 5, 12]]  # prefill: 1 blocking map
+    """A row ends with the pool's counts so far (maps, unmaps, blocking maps, blocking unmaps):
+    each step's own pages on the scheduler's path are its change of blocking maps + blocking
+    unmaps since the row before, an idle row's included; maps and unmaps sent ahead are not
+    on the path. A log from before blocking unmaps were counted takes every unmap as one."""
+    rows = [[1.0, 0.001, 0.001, 4, 64, 0, 10, 0, 10, 0],  # the first: no row before it
+            [1.1, 0.001, 0.001, 4, 4, 0, 12, 0, 10, 0],   # decode, 2 maps sent ahead: none on the path
+            [1.2, 0.001, 0.001, 4, 4, 0, 13, 2, 11, 0],   # decode, 1 blocking map, 2 unmaps sent ahead: 1
+            [1.3, 0.0, 0.0, 0, 0, 0, 13, 5, 11, 3],       # idle: its 3 unmaps waited for are its own
+            [1.4, 0.001, 0.001, 4, 40, 0, 14, 5, 12, 3]]  # prefill: 1 blocking map
     annotated = bs.with_path_pages(rows)
-    assert [r[bs.PATH_PAGES] for r in annotated] == [None, 0, 3, 3, 1]
+    assert [r[bs.PATH_PAGES] for r in annotated] == [None, 0, 1, 3, 1]
     busy = [r for r in annotated if r[3] > 0]
-    assert bs.path_pages(busy) == {"path_pages": 4, "decode_steps_with_path_pages": 1}
+    assert bs.path_pages(busy) == {"path_pages": 2, "decode_steps_with_path_pages": 1}
+    before = bs.with_path_pages([r[:9] for r in rows])  # 12-05's logs: 9 fields, unmaps all blocking
+    assert [r[bs.PATH_PAGES] for r in before] == [None, 0, 3, 3, 1] and all(len(r) == 11 for r in before)
     old = bs.with_path_pages([[1.0, 0.001, 0.001, 4, 4, 7], [1.1, 0.001, 0.001, 4, 4, 9]])  # a log before the counts
     assert bs.path_pages(old) == {"path_pages": None, "decode_steps_with_path_pages": None}
     assert bs.step_stats(old)["graph_replays_per_step"] == pytest.approx(1.0)

@@ -12,10 +12,10 @@ timed region. Step i is the i-th ``schedule`` with the i-th ``update_from_output
 scheduling runs one ahead), as in ``benchmarks/bench_scheduler.py``.
 
 Each step appends one JSON line ``[wall_time, schedule_s, update_s, requests, tokens, replays,
-maps, unmaps, blocking_maps]`` (``requests``: requests scheduled in the step; ``replays``: CUDA
+maps, unmaps, blocking_maps, blocking_unmaps]`` (``requests``: requests scheduled in the step; ``replays``: CUDA
 graph replays in this process so far, counted at the step's update: where the worker runs in
 the EngineCore process, as with vLLM's UniProcExecutor on one GPU, a phase's replays per step
-show whether its steps ran as graphs or fell back to eager; the last three: the kvcached pool's
+show whether its steps ran as graphs or fell back to eager; the last four: the kvcached pool's
 page counts so far, `page_counts`, zeros on native) to the path, buffered: written every
 `FLUSH_EVERY` steps and whenever the engine runs out of requests (outside the timed
 region), and when the scheduler shuts down or the process exits.
@@ -114,18 +114,19 @@ def instrument(sched: Any, path: str) -> StepLog:
     return log
 
 
-def page_counts(sched: Any) -> Callable[[], tuple[int, int, int]]:
+def page_counts(sched: Any) -> Callable[[], tuple[int, int, int, int]]:
     """What a step row ends with: the scheduler's kvcached pool's kv pages mapped (refills
-    sent ahead included), unmapped, and mapped or waited for on the scheduler's path
-    (``blocking_maps``), so far (`kvcached.pages.PagePool.counters`); (0, 0, 0) for a native
-    pool, which maps nothing. Read after the step's update, outside its timed region."""
+    sent ahead included), unmapped (unmaps sent ahead, once settled), and mapped or unmapped
+    or waited for on the scheduler's path (``blocking_maps``, ``blocking_unmaps``), so far
+    (`kvcached.pages.PagePool.counters`); zeros for a native pool, which maps nothing. Read
+    after the step's update, outside its timed region."""
     pool = getattr(getattr(getattr(sched, "kv_cache_manager", None), "block_pool", None), "page_pool", None)
     if pool is None:
-        return lambda: (0, 0, 0)
+        return lambda: (0, 0, 0, 0)
 
-    def counts() -> tuple[int, int, int]:
+    def counts() -> tuple[int, int, int, int]:
         c = pool.counters()
-        return c.maps, c.unmaps, c.blocking_maps
+        return c.maps, c.unmaps, c.blocking_maps, c.blocking_unmaps
 
     return counts
 

@@ -47,10 +47,10 @@ def _rows(kvcached: bool, tmp_path: Path) -> list[list[float]]:
 @pytest.mark.parametrize("kvcached", [True, False], ids=["kvcached", "native"])
 def test_each_step_row_ends_with_the_pools_page_counts(kvcached: bool, tmp_path: Path) -> None:
     rows = _rows(kvcached, tmp_path)
-    assert rows and all(len(r) == 9 for r in rows)
-    maps, unmaps, blocking = (max(r[i] for r in rows) for i in (6, 7, 8))
+    assert rows and all(len(r) == 10 for r in rows)
+    maps, unmaps, blocking, blocking_unmaps = (max(r[i] for r in rows) for i in (6, 7, 8, 9))
     if kvcached:
         assert maps > 0 and blocking > 0  # its first pages, mapped on the CPU inline
-        assert all(a[6] <= b[6] and a[7] <= b[7] and a[8] <= b[8] for a, b in itertools.pairwise(rows))
+        assert all(a[i] <= b[i] for a, b in itertools.pairwise(rows) for i in (6, 7, 8, 9))
     else:
-        assert (maps, unmaps, blocking) == (0, 0, 0)
+        assert (maps, unmaps, blocking, blocking_unmaps) == (0, 0, 0, 0)
