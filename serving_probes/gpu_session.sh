@@ -14,13 +14,21 @@
 # while a whole-matrix run went on in the background, losing it at 77 and 84 of ~100 case runs;
 # the machine that ran each part in the foreground of its own call stayed through four calls.
 # Leave a minute of the lease for the last call's files: with 43 s left (12-04) none came back.
+# Keep a call's timeouts together (fg's SECS + 15 s of kill grace each, and a pack each) well under
+# its 600 s: 12-05 evening, a call of fg 200 + fg 370 never answered and took 623 s of the lease
+# with it (its two runs, a server and the sharing run's first part, were lost).
 #
 # H200 timings (12-04): staging 10 s, install 52-57 s; the V1 matrix with 8 jobs: hybrids 406 s,
 # llama and qwen3 244 s; nemotron_h alone 373 s; V2 dense mp rows 154 s; the GPU engine tests
 # 374 s; bench_serving 1b: a server ~85 s to start, a phase ~33 s (7 phase runs in 510 s).
 # The next session's calls, in order of need (issue 30). Done 12-05 (an H100): the VMM sync probe
 # (reports/gpu/vmm-sync) and the step-timed saturation runs (reports/gpu/serving/diag-12-05); holding
-# is the CUDA default since, so partial-12-04d (without it) is not resumed: a fresh run.
+# is the CUDA default since, so partial-12-04d (without it) is not resumed: a fresh run. 12-05
+# evening: 2 of 3 rounds with holding (reports/gpu/serving/partial-12-05b); busy steps' unmaps
+# leave the scheduler's path since, so that run is not resumed either: a fresh one. Timings there:
+# the first server (cold compile cache) 189 s, later ones 125-155 s; install 48 s; stage 6 s.
+# Calls: stage (part01); stage + BUNDLE_GROUPS=core install + fg 520 serving ... --time-budget 450;
+# fg 585 serving ... --resume --time-budget 570; the rest.
 #   fg 560 serving python3 benchmarks/bench_serving.py --device cuda --models 1b --rounds 3 --step-times \
 #       --out /tmp/gpu-out/serving --logs /tmp/gpu-out/serving/logs
 #       --time-budget SECS (a few s under fg's): no server starts that would not end in the call;
