@@ -213,9 +213,9 @@ def test_a_run_cut_short_resumes_with_the_servers_it_lacks(tmp_path: Path) -> No
 
 
 def test_a_time_budget_starts_no_server_that_would_not_finish_in_it(tmp_path: Path) -> None:
-    """`--time-budget` stops between servers by the longest finished server's time, the saved
-    part's included; a server saved before servers had a time is no estimate, and a part's first
-    server with no estimate starts."""
+    """`--time-budget` stops between servers by the longest time of the servers this part
+    finished, or before it has any, of the saved ones; a server saved before servers had a time
+    is no estimate, and a part's first server with no estimate starts."""
     plan = {"device": "cuda", "models": ["1b"], "phases": ["saturation", "rate"], "prompts": {"1b": 8}, "rounds": 3}
     doc = _cut_short(tmp_path, plan)
     assert all("wall_s" in f for f in doc["servers"])
@@ -229,6 +229,11 @@ def test_a_time_budget_starts_no_server_that_would_not_finish_in_it(tmp_path: Pa
     with pytest.raises(bs.OutOfTime, match="189 s of --time-budget left, a server takes up to 190 s: "
                                            "stopped before 1b/2/native"):
         bs.check_time(sess, 500.0, 311.0, ("1b", 2, "native"))
+    # This part's own servers, once it has any, are the estimate (the first saved one was cold).
+    sess.servers.append(bs.ServerFacts("1b", "native", 2, 10.0, 0, None, "log", "V2", wall_s=130.0))
+    bs.check_time(sess, 500.0, 370.0, ("1b", 3, "native"), started_with=3)
+    with pytest.raises(bs.OutOfTime, match="129 s of --time-budget left, a server takes up to 130 s"):
+        bs.check_time(sess, 500.0, 371.0, ("1b", 3, "native"), started_with=3)
 
 
 def test_an_ablation_names_kvcached_knobs_checked_by_kvcacheds_own_parser() -> None:
