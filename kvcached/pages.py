@@ -908,7 +908,7 @@ class PagePool:
         with self._lock:
             self._confirm(wait=False)  # a refill in flight is never unmapped here
             if keep is not None:
-                unmapped = self._unmap_ready(keep)
+                unmapped = self._unmap_ready(keep, wait=not busy)
             else:
                 # The end of a step: its takes set the pace, the quarantine's backoff moves
                 # on, and the limit is read (and the pool's bytes published) for the next one.
@@ -917,31 +917,36 @@ class PagePool:
                 self.policies.quarantine.end_step()
                 self._retry_quarantine()
                 self._poll_limit()
-                unmapped = self._unmap_ready(reserve.keep(len(self.in_use)), limited=True)
+                unmapped = self._unmap_ready(reserve.keep(len(self.in_use)), limited=True, wait=not busy)
             if not busy:
-                self._settle_unmaps(wait=True)
+                self._settle_unmaps(wait=True)  # and those a busy step sent before
             return unmapped
 
     def shed(self) -> int:
-        """Unmap the reserve pages (those the fence allows) the pool is over its limit by."""
+        """Unmap the reserve pages (those the fence allows) the pool is over its limit by,
+        waiting for the unmaps: a limit makes room for another engine, which may map the
+        memory as soon as the limiter hears of it."""
         with self._lock:
             self._confirm(wait=False)
-            return self._unmap_ready(len(self.reserve), limited=True)
+            return self._unmap_ready(len(self.reserve), limited=True, wait=True)
 
-    def _unmap_ready(self, keep: int, *, limited: bool = False) -> int:
-        """Unmap reserve pages above ``keep`` whose ticket passed. ``limited``: keep fewer
-        while the pool is over its limit, and tell the limiter what is left at once (the
-        engine may go idle right after)."""
+    def _unmap_ready(self, keep: int, *, limited: bool = False, wait: bool = False) -> int:
+        """Unmap reserve pages above ``keep`` whose ticket passed (``wait``: and wait for every
+        unmap in flight, earlier ones included). ``limited``: keep fewer while the pool is over its
+        limit, and tell the limiter what is left at once (the engine may go idle right
+        after), once those unmaps are done if waited for."""
         if limited:
             keep = self.policies.limit.keep(keep, reserve=len(self.reserve), mapped=self._in_flight_mapped())
         excess = len(self.reserve) - keep
-        if excess <= 0:
-            return 0
-        # Highest page indices first: block choice prefers low pages, so this keeps the
-        # mapped set compact.
-        ready = sorted((p for p, t in self.reserve.items() if self.fence.passed(t)), reverse=True)
-        victims = ready[:excess]
-        self._give_back(victims)
+        victims: list[int] = []
+        if excess > 0:
+            # Highest page indices first: block choice prefers low pages, so this keeps the
+            # mapped set compact.
+            ready = sorted((p for p, t in self.reserve.items() if self.fence.passed(t)), reverse=True)
+            victims = ready[:excess]
+            self._give_back(victims)
+        if wait:
+            self._settle_unmaps(wait=True)
         if victims and limited:
             self._poll_limit()
         return len(victims)

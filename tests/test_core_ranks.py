@@ -236,6 +236,30 @@ def test_a_busy_step_gives_pages_back_without_waiting_for_the_ranks() -> None:
     assert all(not r.mapped for r in ranks)
 
 
+def test_a_lowered_limit_is_met_on_the_ranks_when_the_pool_sheds() -> None:
+    """A busy engine over a lowered limit gives its idle pages back without waiting at the
+    step's end; shedding (what the block pool does for a limit) waits for every unmap in
+    flight, so the memory is free on the ranks when the limiter hears of it."""
+    from test_core_policies import FixedLimiter
+
+    ranks = [_rank(0), _rank(1)]
+    geometry, _, _ = check_layouts([r.layout() for r in ranks])
+    space = RankedPageSpace(geometry, LaterChannel(ranks), 2)
+    limiter = FixedLimiter(None)
+    pool = PagePool(space, KvcachedConfig(min_reserve_pages=0, max_reserve_pages=4, capacity_ttl_s=0.0),
+                    fence=StepFence(), limiter=limiter)
+    pool.acquire([0, 1, 2, 3])
+    pool.release([2, 3])
+    limiter.limit = 2
+    pool.collect(busy=True)  # reads the limit: pages 2 and 3 go, sent without waiting
+    assert set(pool.draining) == {2, 3} and all(r.mapped == {0, 1, 2, 3} for r in ranks)
+    assert pool.over_limit() == 0
+    pool.shed()
+    assert not pool.draining and all(r.mapped == {0, 1} for r in ranks)
+    assert limiter.told[-1][0] == 2
+    pool.close()
+
+
 def test_an_unmap_failure_on_one_rank_quarantines_the_page_until_the_retry() -> None:
     space, ranks, _ = _engine(None, None)
     backing = FailingRange(ranks[1].space.ranges[0])
