@@ -236,6 +236,31 @@ def test_a_busy_step_gives_pages_back_without_waiting_for_the_ranks() -> None:
     assert all(not r.mapped for r in ranks)
 
 
+def test_a_busy_step_gives_back_one_batch_and_the_next_steps_the_rest() -> None:
+    """A busy engine whose hold window forgot its peak gives its excess back one batch of
+    `UNMAP_BATCH_PAGES` a step (12-05: 462 pages in one step of 266 ms); idle, all at once."""
+    from kvcached.pages import UNMAP_BATCH_PAGES as BATCH
+
+    geometry = plan_geometry(STRIDES, 4 * (2 * BATCH + 8), PAGE)  # 2 batches and some, in kv pages
+    ranks = []
+    for i in range(2):
+        ranges = tuple(_vmm.VirtualRange("cpu", size, PAGE) for size in geometry.reserved_bytes)
+        ranks.append(RankPages(i, PageSpace(ranges, geometry.vmm_pages, geometry.num_kv_pages), geometry))
+    space = RankedPageSpace(geometry, LaterChannel(ranks), 2)
+    pool = PagePool(space, KvcachedConfig(min_reserve_pages=0, max_reserve_pages=0, capacity_ttl_s=0.0),
+                    fence=StepFence())
+    pages = list(range(2 * BATCH + 4))
+    pool.acquire(pages)
+    pool.release(pages)
+    pool.collect(busy=True)
+    assert len(pool.draining) == BATCH and len(pool.reserve) == BATCH + 4
+    pool.collect(busy=True)
+    assert len(pool.draining) == 2 * BATCH and len(pool.reserve) == 4
+    pool.collect(busy=False)
+    assert not pool.draining and not pool.reserve and all(not r.mapped for r in ranks)
+    pool.close()
+
+
 def test_a_lowered_limit_is_met_on_the_ranks_when_the_pool_sheds() -> None:
     """A busy engine over a lowered limit gives its idle pages back without waiting at the
     step's end; shedding (what the block pool does for a limit) waits for every unmap in
