@@ -156,8 +156,10 @@ class ExecutorChannel:
     ``call_later`` should not cost the caller the call. A multiprocess executor sends it
     over its queues and returns a future. An in-process one (``UniProcExecutor``: every
     TP=1 engine on a GPU) runs it inline; with ``background`` it runs on one thread of the
-    channel's own instead (see `refills_in_background`). That is safe because a refill's
-    pages are never handed out, touched or unmapped until the pool has its reply, the rank
+    channel's own instead (see `refills_in_background`), and so does a busy step's unmap.
+    That is safe because a refill's pages are never handed out, touched or unmapped until
+    the pool has its reply, an unmap's pages are never handed out or mapped again until it
+    has that one's (and no step in flight touches them: the fence chose them), the rank
     serializes the requests it applies (`kvcached.ranks.RankPages`), and the backends
     release the GIL and lock their ranges.
     """
