@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -225,12 +225,16 @@ class PageChannel(Protocol):
 
 
 @dataclass(eq=False)
-class _LaterMap:
-    """A map sent to every rank without waiting (`RankedPageSpace.map_pages_later`)."""
+class _Later:
+    """A map or an unmap sent to every rank without waiting (`RankedPageSpace.map_pages_later`,
+    `RankedPageSpace.unmap_pages_later`); ``result`` settles the replies as the waiting
+    call would (``settle``: `RankedPageSpace.settle_map` or ``settle_unmap``)."""
 
     space: RankedPageSpace
+    op: str
     pages: tuple[int, ...]
     future: Any
+    settle: Callable[[tuple[int, ...], list[RankReply]], None]
 
     def done(self) -> bool:
         return bool(self.future.done())
@@ -238,29 +242,8 @@ class _LaterMap:
     def result(self) -> None:
         if not self.future.done():
             # The reply has not arrived: the scheduler waits for it after all.
-            self.space.calls["map (waited)"] += 1
-        replies = list(self.future.result())
-        self.space.settle_map(self.pages, self.space.check_replies("map", replies))
-
-
-@dataclass(eq=False)
-class _LaterUnmap:
-    """An unmap sent to every rank without waiting (`RankedPageSpace.unmap_pages_later`)."""
-
-    space: RankedPageSpace
-    pages: tuple[int, ...]
-    future: Any
-
-    def done(self) -> bool:
-        return bool(self.future.done())
-
-    def result(self) -> None:
-        if not self.future.done():
-            self.space.calls["unmap (waited)"] += 1
-        replies = self.space.check_replies("unmap", list(self.future.result()))
-        if failed := [r for r in replies if not r.ok]:
-            self.space.note_held(failed)
-            raise DriverError(f"kv pages {list(self.pages)} not unmapped on {_names(failed)}")
+            self.space.calls[f"{self.op} (waited)"] += 1
+        self.settle(self.pages, self.space.check_replies(self.op, list(self.future.result())))
 
 
 @dataclass
@@ -331,12 +314,12 @@ class RankedPageSpace:
             pages = tuple(kv_pages)
             self.settle_map(pages, self._call(PageRequest("map", pages)))
 
-    def map_pages_later(self, kv_pages: Sequence[int]) -> _LaterMap:
+    def map_pages_later(self, kv_pages: Sequence[int]) -> Confirmation:
         """Send a map to every rank now and return at once; ``result()`` settles it as
         `map_pages` would (the channel's order puts it before every later step)."""
         pages = tuple(kv_pages)
         self.deferred += 1
-        return _LaterMap(self, pages, self.channel.call_later(PageRequest("map", pages)))
+        return _Later(self, "map", pages, self.channel.call_later(PageRequest("map", pages)), self.settle_map)
 
     def settle_map(self, pages: tuple[int, ...], replies: list[RankReply]) -> None:
         """Raise, with the batch undone on every rank that mapped it, if any rank refused.
@@ -405,7 +388,13 @@ class RankedPageSpace:
                 return Settled(exc)
             return Settled()
         self.deferred_unmaps += 1
-        return _LaterUnmap(self, pages, self.channel.call_later(PageRequest("unmap", pages)))
+        return _Later(self, "unmap", pages, self.channel.call_later(PageRequest("unmap", pages)), self.settle_unmap)
+
+    def settle_unmap(self, pages: tuple[int, ...], replies: list[RankReply]) -> None:
+        """Raise `DriverError` if any rank refused, its held pages remembered (`still_mapped`)."""
+        if failed := [r for r in replies if not r.ok]:
+            self.note_held(failed)
+            raise DriverError(f"kv pages {list(pages)} not unmapped on {_names(failed)}")
 
     def still_mapped(self, kv_pages: Sequence[int]) -> list[int]:
         """Those of ``kv_pages`` that a failed map (or unmap) of them left mapped on some
