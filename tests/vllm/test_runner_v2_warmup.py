@@ -13,6 +13,7 @@ kvcached does not serve V2 (0.29-0.32 without trial: refused by name, ``test_mod
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -111,13 +112,16 @@ def _allocate(config: KVCacheConfig) -> torch.Tensor:
     return attn_utils.allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC, None)["l0"]
 
 
-def test_warm_up_maps_its_blocks_pages_and_gives_them_back() -> None:
+def test_warm_up_maps_its_blocks_pages_and_gives_them_back(caplog: pytest.LogCaptureFixture) -> None:
     config = _config()
     kv = _allocate(config)
     published = registered_space(kv)
     pages = rank_kv.rank_kv_of(kv).pages  # type: ignore[union-attr]
     kernels = Kernels(kv, published.ranges[0].mapped_pages)
-    gpu_worker.warmup_kernels(_runner(config, kv), kernels.execute_model, kernels.sample_tokens)
+    with caplog.at_level(logging.INFO, logger="kvcached"):
+        gpu_worker.warmup_kernels(_runner(config, kv), kernels.execute_model, kernels.sample_tokens)
+    timing = [r.getMessage() for r in caplog.records if "Model Runner V2's warm-up took" in r.getMessage()]
+    assert len(timing) == 1 and timing[0].endswith("of it mapping and unmapping the 2 kv page(s) it lent"), timing
     assert kernels.blocks == set(range(1, MAX_SEQS + 1)), "vLLM's warm-up numbers its blocks 1, 2, ..."
     assert [0, 1, 2] in kernels.pages_seen  # the pages of blocks 1-8, mapped while the steps ran
     assert published.ranges[0].mapped_pages() == [0] and pages.mapped == {rank_kv.NULL_BLOCK_PAGE}
