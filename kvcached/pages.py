@@ -169,6 +169,15 @@ class Settled:
         if self.error is not None:
             raise self.error
 
+    @classmethod
+    def after(cls, call: Callable[[], None]) -> Settled:
+        """Run ``call`` now: its confirmation, refused with the `BackendError` it raised."""
+        try:
+            call()
+        except BackendError as exc:
+            return cls(exc)
+        return cls()
+
 
 @dataclass(frozen=True)
 class PageSpace:
@@ -215,19 +224,11 @@ class PageSpace:
     def map_pages_later(self, kv_pages: Sequence[int]) -> Confirmation:
         """Map now (nothing here can be deferred); the confirmation raises as `map_pages`
         would have."""
-        try:
-            self.map_pages(kv_pages)
-        except BackendError as exc:
-            return Settled(exc)
-        return Settled()
+        return Settled.after(lambda: self.map_pages(kv_pages))
 
     def unmap_pages_later(self, kv_pages: Sequence[int]) -> Confirmation:
         """Unmap now (strictly), as `map_pages_later` maps now."""
-        try:
-            self.unmap_pages(kv_pages)
-        except BackendError as exc:
-            return Settled(exc)
-        return Settled()
+        return Settled.after(lambda: self.unmap_pages(kv_pages))
 
     @property
     def kv_page_bytes(self) -> int:
@@ -732,16 +733,14 @@ class PagePool:
         for conf, batch in self.draining.take(wait, pages):
             if not conf.done():
                 self._tally.blocking_unmaps += len(batch)
+            stuck: list[int] = []
             try:
                 conf.result()
             except BackendError:
                 stuck = self.space.still_mapped(batch)
                 self.policies.quarantine.add(stuck)
                 self._mapped.update(stuck)
-                self._tally.unmaps += len(batch) - len(stuck)
-                self.policies.capacity.invalidate()
-                continue
-            self._tally.unmaps += len(batch)
+            self._tally.unmaps += len(batch) - len(stuck)
             self.policies.capacity.invalidate()
 
     def _unmap(self, pages: list[int]) -> None:

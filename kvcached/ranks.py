@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from kvcached.errors import BackendError, DriverError, InvariantError, KvcachedError, PhysicalMemoryExhausted
+from kvcached.errors import DriverError, InvariantError, KvcachedError, PhysicalMemoryExhausted
 from kvcached.faults import FaultInjector, rank_map_site
 from kvcached.pages import Confirmation, PageSpace, Settled
 from kvcached.space import Geometry
@@ -382,11 +382,7 @@ class RankedPageSpace:
         (`unmap_pages`, to those ranks only): a settled confirmation is returned."""
         pages = tuple(kv_pages)
         if any(p in self._held_by for p in pages):
-            try:
-                self.unmap_pages(pages)
-            except BackendError as exc:
-                return Settled(exc)
-            return Settled()
+            return Settled.after(lambda: self.unmap_pages(pages))
         self.deferred_unmaps += 1
         return _Later(self, "unmap", pages, self.channel.call_later(PageRequest("unmap", pages)), self.settle_unmap)
 
