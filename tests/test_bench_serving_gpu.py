@@ -4,6 +4,7 @@ whose two sides built different model runners is stopped, not compared."""
 from __future__ import annotations
 
 import json
+import lzma
 import sys
 from pathlib import Path
 
@@ -327,6 +328,12 @@ def test_step_stats_summarizes_a_step_log_as_the_phase_metrics(tmp_path: Path, c
     got = json.loads(capsys.readouterr().out)
     assert got["sched_steps"] == 3 and got["slow_steps"] == 1  # the idle step is left out; 22 ms > 3 x 2 ms
     assert got["slow_sched_s"] == pytest.approx(0.022) and got["sched_s"] == pytest.approx(0.026)
+    # A log kept under reports/ is xz-compressed: read as it is, to the same metrics.
+    packed = tmp_path / "kvcached.steps.jsonl.xz"
+    packed.write_bytes(lzma.compress(log.read_bytes()))
+    assert bs.step_log_main([str(packed)]) == 0
+    assert {k: v for k, v in json.loads(capsys.readouterr().out).items() if k != "log"} == \
+        {k: v for k, v in got.items() if k != "log"}
     log.write_text(json.dumps([1.0, 0.0, 0.0, 0, 0]) + "\n")
     with pytest.raises(SystemExit, match="no step that ran work"):
         bs.step_log_main([str(log)])

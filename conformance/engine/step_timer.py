@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import lzma
 import time
 from collections import deque
 from collections.abc import Callable
@@ -73,8 +74,11 @@ class ReplayCounter:
 
 
 def read_rows(path: str | Path) -> list[list[float]]:
-    """The rows a `StepLog` appended to ``path``, in order."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The rows a `StepLog` appended to ``path``, in order (``.xz``: a log compressed to be kept,
+    as under ``reports/``)."""
+    path = Path(path)
+    text = lzma.decompress(path.read_bytes()).decode() if path.suffix == ".xz" else path.read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def instrument(sched: Any, path: str) -> StepLog:
