@@ -48,6 +48,14 @@ class ServerError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Timed:
+    """A streamed completion's tokens and its time to first token (s, as the client saw it)."""
+
+    tokens: list[int]
+    ttft_s: float
+
+
+@dataclass(frozen=True)
 class ServerSpec:
     """One side: its engine environment and parallel layout."""
 
@@ -151,12 +159,39 @@ class Server:
             margins.append(best[0] - best[1] if len(best) > 1 else float("inf"))
         return [int(t) for t in choice["token_ids"]], margins
 
+    def complete_timed(self, prompt: Sequence[int], max_tokens: int, timeout_s: float = 120.0) -> Timed:
+        """`complete`, streamed: the tokens, and the time to the first one as this client saw it
+        (from sending the request; a request that waits for memory waits there)."""
+        start = time.monotonic()
+        tokens: list[int] = []
+        first: float | None = None
+        try:
+            with urllib.request.urlopen(self._request(prompt, max_tokens, stream=True), timeout=timeout_s) as r:
+                for raw in r:  # server-sent events: "data: {chunk}" lines, then "data: [DONE]"
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: "):])
+                    if "error" in chunk:
+                        raise ServerError(f"{self.spec.label}: streamed error: {chunk['error']!r:.500}")
+                    ids = chunk["choices"][0].get("token_ids") or []
+                    if ids and first is None:
+                        first = time.monotonic() - start
+                    tokens.extend(int(t) for t in ids)
+        except urllib.error.HTTPError as e:
+            raise ServerError(f"{self.spec.label}: HTTP {e.code}: {e.read()[:500]!r}") from e
+        if first is None or len(tokens) != max_tokens:
+            raise ServerError(f"{self.spec.label}: streamed {len(tokens)} of {max_tokens} tokens")
+        return Timed(tokens, round(first, 4))
+
+    def _request(self, prompt: Sequence[int], max_tokens: int, **extra: object) -> urllib.request.Request:
+        body = json.dumps({"model": SERVED_NAME, "prompt": list(prompt), "max_tokens": max_tokens,
+                           "temperature": 0.0, "ignore_eos": True, "return_token_ids": True, **extra}).encode()
+        return urllib.request.Request(self.url + "/v1/completions", body, {"Content-Type": "application/json"})
+
     def _completion(self, prompt: Sequence[int], max_tokens: int, timeout_s: float,
                     logprobs: int | None = None) -> dict:
-        body = json.dumps({"model": SERVED_NAME, "prompt": list(prompt), "max_tokens": max_tokens,
-                           "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
-                           **({"logprobs": logprobs} if logprobs else {})}).encode()
-        req = urllib.request.Request(self.url + "/v1/completions", body, {"Content-Type": "application/json"})
+        req = self._request(prompt, max_tokens, **({"logprobs": logprobs} if logprobs else {}))
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as r:
                 doc = json.loads(r.read())

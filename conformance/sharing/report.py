@@ -196,8 +196,16 @@ def bursts_table(r: SharingResult) -> Table:
     """Every burst, kvcached's then native's (the memory split statically)."""
     sides = [("kvcached", b) for b in r.bursts] + [("native (static split)", b) for b in r.native_bursts]
     return table({"engine": b.engine, "label": b.label, "requests": b.requests, "completed": b.completed,
-                  "seconds": f"{b.end_s - b.start_s:.2f}", "mismatches": len(b.differences),
+                  "seconds": f"{b.end_s - b.start_s:.2f}", "TTFT p50 s": _ttft(b, 0.5),
+                  "TTFT max s": _ttft(b, 1.0), "mismatches": len(b.differences),
                   "peak MiB": f"{b.peak_bytes / MiB:.2f}", "side": side} for side, b in sides)
+
+
+def _ttft(b: Burst, q: float) -> str:
+    """The ``q`` quantile (nearest rank) of a burst's times to first token; "-" for a run
+    before they were recorded, or a burst with no completed request."""
+    xs = sorted(b.ttft_s)
+    return f"{xs[min(len(xs) - 1, int(q * len(xs)))]:.3f}" if xs else "-"
 
 
 @dataclass(frozen=True)

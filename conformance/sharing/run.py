@@ -64,6 +64,7 @@ from conformance.serving.server import (
     Server,
     ServerError,
     ServerSpec,
+    Timed,
     settled_descriptors,
     start_server,
     with_tokenizer,
@@ -135,6 +136,7 @@ class Burst:
     completed: int
     differences: list[Difference] = field(default_factory=list)  # requests that differ from the reference
     peak_bytes: int = 0
+    ttft_s: list[float] = field(default_factory=list)  # each completed request's (none in runs before 12-06)
 
 
 @dataclass
@@ -197,16 +199,26 @@ def differences(got: Sequence[list[int] | None], ref: Sequence[retrial.Reference
     return retrial.differences(got, ref, range(len(got)))
 
 
-def send_burst(server: Server, batch: Sequence[Sequence[int]], max_tokens: int) -> list[list[int] | None]:
-    """All of ``batch`` at once; a failed request gives None (only a killed engine's may)."""
-    def one(p: Sequence[int]) -> list[int] | None:
+def send_burst(server: Server, batch: Sequence[Sequence[int]], max_tokens: int) -> list[Timed | None]:
+    """All of ``batch`` at once, streamed (each request's time to first token); a failed
+    request gives None (only a killed engine's may)."""
+    def one(p: Sequence[int]) -> Timed | None:
         try:
-            return server.complete(p, max_tokens, timeout_s=300.0)
+            return server.complete_timed(p, max_tokens, timeout_s=300.0)
         except (ServerError, OSError):
             return None
 
     with ThreadPoolExecutor(max_workers=len(batch)) as pool:
         return list(pool.map(one, batch))
+
+
+def tokens_of(got: Sequence[Timed | None]) -> list[list[int] | None]:
+    return [None if g is None else g.tokens for g in got]
+
+
+def ttfts_of(got: Sequence[Timed | None]) -> list[float]:
+    """The completed requests' times to first token."""
+    return [g.ttft_s for g in got if g is not None]
 
 
 # ---- observing the record -----------------------------------------------------------------------
@@ -373,10 +385,10 @@ class Stage:
         start = self.now()
         got = send_burst(self.servers[engine], batch, max_tokens or self.plan.max_tokens)
         done = Burst(engine, label or f"{engine}{index}", round(start, 3), round(self.now(), 3), len(batch),
-                     sum(t is not None for t in got))
+                     sum(t is not None for t in got), ttft_s=ttfts_of(got))
         ref = self.reference.get(f"{engine}{index}")
         if ref is not None:
-            done.differences = differences(got, ref)
+            done.differences = differences(tokens_of(got), ref)
         done.peak_bytes = self.sampler.peak(engine, start)
         self.result.bursts.append(done)
         return done
@@ -426,7 +438,8 @@ def native_side(plan: SharingPlan, work: Path, result: SharingResult) -> Referen
             got = send_burst(by[engine], batch, m)
             result.native_bursts.append(Burst(engine, key, round(start, 3), round(time.monotonic() - t0, 3),
                                               len(batch), sum(t is not None for t in got),
-                                              differences(got, reference[key]), plan.budget_bytes // 2))
+                                              differences(tokens_of(got), reference[key]), plan.budget_bytes // 2,
+                                              ttfts_of(got)))
         planted = retrial.plant(reference["A0"], random.Random(0))
         result.planted = retry_in_burst(plan, by["A"], "A0", planted, random.Random(1))
     return reference

@@ -48,6 +48,9 @@ def test_the_scenario_ran_whole(shared: SharingResult) -> None:
     assert [m for _, m in shared.marks if m.startswith(("kvctl", "SIGKILL"))] == [
         "kvctl limit B", "kvctl clear B", "SIGKILL A"]
     assert shared.exits["B"] == 0 and len(shared.native_bursts) == 4
+    # Every completed request was streamed: its time to first token is known, on both sides.
+    for b in [*shared.bursts, *shared.native_bursts]:
+        assert len(b.ttft_s) == b.completed and all(0 < t <= b.end_s - b.start_s for t in b.ttft_s), b
 
 
 def test_each_check_sees_a_real_failure(shared: SharingResult) -> None:
@@ -70,7 +73,16 @@ def test_each_check_sees_a_real_failure(shared: SharingResult) -> None:
         "every idle point at the watermark"}
     tokens, planted = "every token difference is one native also gives", "the planted difference is caught"
     unexplained = Difference(3, 3, 5, 10, 11, 1e-7, retrials=8, reproduced=0)  # even at a near-tie
-    assert failing(lambda r: r.bursts[0].differences.append(unexplained)) == {tokens}
+
+    def quiet_native(r: SharingResult) -> None:  # native's concurrent bursts gave no difference
+        for b in r.native_bursts:
+            b.differences.clear()
+
+    assert failing(lambda r: (quiet_native(r), r.bursts[0].differences.append(unexplained))) == {tokens}
+    # Within native's own noise: native's concurrent bursts differed at a larger margin.
+    noisy = dataclasses.replace(unexplained, margin=1e-6)
+    assert failing(lambda r: (r.native_bursts[0].differences.append(noisy),
+                              r.bursts[0].differences.append(unexplained))) == set()
     assert failing(lambda r: r.bursts[0].differences.append(Difference(3, 3, -1, -1, -1, -1.0))) == {tokens}  # cut
     explained = dataclasses.replace(unexplained, margin=0.5, reproduced=1)  # native gave it in one batch mix
     assert failing(lambda r: r.bursts[0].differences.append(explained)) == set()
