@@ -21,14 +21,19 @@
 # H200 timings (12-04): staging 10 s, install 52-57 s; the V1 matrix with 8 jobs: hybrids 406 s,
 # llama and qwen3 244 s; nemotron_h alone 373 s; V2 dense mp rows 154 s; the GPU engine tests
 # 374 s; bench_serving 1b: a server ~85 s to start, a phase ~33 s (7 phase runs in 510 s).
-# The next session's calls, in order of need (issue 30). Done 12-05 (an H100): the VMM sync probe
-# (reports/gpu/vmm-sync) and the step-timed saturation runs (reports/gpu/serving/diag-12-05); holding
-# is the CUDA default since, so partial-12-04d (without it) is not resumed: a fresh run. 12-05
-# evening: 2 of 3 rounds with holding (reports/gpu/serving/partial-12-05b); busy steps' unmaps
-# leave the scheduler's path since, so that run is not resumed either: a fresh one. Timings there:
-# the first server (cold compile cache) 189 s, later ones 125-155 s; install 48 s; stage 6 s.
-# Calls: stage (part01); stage + BUNDLE_GROUPS=core install + fg 520 serving ... --time-budget 450;
-# fg 585 serving ... --resume --time-budget 570; the rest.
+# The next session's calls, in order of need (issue 30). Done 12-05 night (an H100, 1,313 s of the
+# lease): the 3-round serving run (reports/gpu/serving/run-12-05c: stage 0.2 s, install 37 s, then
+# fg 495 --time-budget 440 (round 1, 307 s) and fg 565 --resume --time-budget 555 (rounds 2-3,
+# 473 s); servers 39-73 s to start) and the sharing run's three parts (reports/gpu/sharing-serve:
+# 164 s, 72 s, 147 s, one call each). The machine came up in 28 s. Next, in order:
+#   1. the sharing run again: its bursts are streamed since, so it measures each request's time
+#      to first token on both sides (how long B's burst waits for memory), three calls;
+#   2. the serving rows the default run leaves out, a model per run (3 rounds each, ~8 min):
+#      --models 1b-eager, then 1b-v1, then hybrid;
+#   3. after a cut in kvcached's scheduler time per decode step (the gap run-12-05c leaves), the
+#      1b run again beside the `before` build of 2f96d21 (a before/after on one machine).
+# Parts are 44 MiB since 12-05 night (the tracked tree grew to 18 MB; 48 MiB parts no longer fit
+# one 64 MiB call with it); rebuild the bundle with `gpu_bundle build` if its parts are larger.
 #   fg 560 serving python3 benchmarks/bench_serving.py --device cuda --models 1b --rounds 3 --step-times \
 #       --out /tmp/gpu-out/serving --logs /tmp/gpu-out/serving/logs
 #       --time-budget SECS (a few s under fg's): no server starts that would not end in the call;
