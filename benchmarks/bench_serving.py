@@ -129,6 +129,10 @@ METRICS = (
     # the decode-only steps (one token per request) that had any: the target is none.
     Metric("path_pages", "kv pages (un)mapped on the scheduler's path"),
     Metric("decode_steps_with_path_pages", "decode steps with such a page"),
+    # From each server's /metrics around the phase (servers with vLLM's stat logger on, as on the
+    # GPU): the share of prompt tokens its prefix cache served. kvcached's cached-block cap
+    # (KVCACHED_MAX_CACHED_BLOCKS) trades these for memory: a lower rate is more prefill work.
+    Metric("prefix_hit_pct", "prefix cache hit rate %", True),
 )
 #: A step is slow when its scheduler time is over this many times the run's median step.
 SLOW_STEP_FACTOR = 3.0
@@ -437,7 +441,10 @@ def serve_side(sess: Session, model: BenchModel, tok_dir: Path, side: str, rnd: 
             phase = phase_config(name, sess.rates.get(model.name), sess.num_prompts[model.name],
                                  setup.saturation_concurrency)
             t0, wall0 = time.monotonic(), time.time()
+            counts = prefix_cache_counts if setup.graph_metrics else lambda url: None  # stat logger on
+            before = counts(server.url)
             result = run_client(server.port, tok_dir, phase, out, f"{side}-{name}", (setup.input_len, setup.output_len))
+            result["prefix_hit_pct"] = prefix_hit_pct(before, counts(server.url))
             run = PhaseRun(model.name, side, rnd, phase, result, calibration_only=name not in sess.phases)
             windows.append((run, wall0, time.time()))
             sess.runs.append(run)
@@ -452,6 +459,37 @@ def serve_side(sess: Session, model: BenchModel, tok_dir: Path, side: str, rnd: 
                                     str(server.log_path), runner, pools[-1] if pools else None,
                                     graph_modes(log) if setup.graph_metrics else None,
                                     round(time.monotonic() - launched, 1)))
+
+
+#: vLLM's Prometheus counters of prompt tokens its prefix cache was asked for, and served.
+_PREFIX_COUNTERS = {"vllm:prefix_cache_queries_total": "queries", "vllm:prefix_cache_hits_total": "hits"}
+
+
+def prefix_cache_counts(url: str) -> dict[str, float] | None:
+    """A server's prefix cache counters so far (`_PREFIX_COUNTERS`, summed over their label sets),
+    from its ``/metrics``; None where it exports neither (vLLM's stat logger off)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        return parse_prefix_counts(r.read().decode())
+
+
+def parse_prefix_counts(text: str) -> dict[str, float] | None:
+    """`prefix_cache_counts` of a Prometheus text exposition."""
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        key = _PREFIX_COUNTERS.get(re.split(r"[{ ]", line, maxsplit=1)[0])  # the name, before labels
+        if key is not None:
+            counts[key] = counts.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts if set(counts) == set(_PREFIX_COUNTERS.values()) else None
+
+
+def prefix_hit_pct(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
+    """The share (%) of the prompt tokens asked for between two readings that the cache served;
+    None without counters, or with no query between them."""
+    if before is None or after is None or after["queries"] <= before["queries"]:
+        return None
+    return 100.0 * (after["hits"] - before["hits"]) / (after["queries"] - before["queries"])
 
 
 def add_step_times(step_log: Path, windows: Sequence[tuple[PhaseRun, float, float]]) -> None:

@@ -358,3 +358,23 @@ def test_pages_on_the_schedulers_path_are_each_steps_own_change_of_the_pools_cou
     old = bs.with_path_pages([[1.0, 0.001, 0.001, 4, 4, 7], [1.1, 0.001, 0.001, 4, 4, 9]])  # a log before the counts
     assert bs.path_pages(old) == {"path_pages": None, "decode_steps_with_path_pages": None}
     assert bs.step_stats(old)["graph_replays_per_step"] == pytest.approx(1.0)
+
+
+def test_a_phases_prefix_hit_rate_is_the_change_of_the_servers_counters() -> None:
+    """``prefix_hit_pct``: the prompt tokens the prefix cache served between two readings of a
+    server's /metrics, over those asked for; None without the counters (stat logger off)."""
+    text = """# HELP vllm:prefix_cache_queries_total Prefix cache queries
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 1000.0
+vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 170.0
+vllm:prefix_cache_hits_created{engine="0",model_name="tiny"} 1.7e9
+vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
+"""
+    before = bs.parse_prefix_counts(text)
+    assert before == {"queries": 1000.0, "hits": 170.0}
+    after = bs.parse_prefix_counts(text.replace("1000.0", "3000.0").replace(" 170.0", " 770.0"))
+    assert bs.prefix_hit_pct(before, after) == pytest.approx(30.0)  # 600 of 2000
+    assert bs.prefix_hit_pct(after, after) is None  # nothing asked between them
+    assert bs.parse_prefix_counts("vllm:num_requests_running 3.0\n") is None
+    assert bs.prefix_hit_pct(None, after) is None
+    assert [m.key for m in bs.METRICS][-1] == "prefix_hit_pct"
