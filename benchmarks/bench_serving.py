@@ -115,6 +115,9 @@ METRICS = (
     Metric("sched_ms_p50", "scheduler ms/step p50"),
     Metric("sched_ms_p95", "scheduler ms/step p95"),
     Metric("graph_replays_per_step", "CUDA graph replays/step", True),
+    # Each decode step's own replays (the step log's replay count at schedule): below 100%, some
+    # decode steps fell back to eager. Replays per step above also move with the mix of steps.
+    Metric("decode_graph_pct", "decode steps run as a CUDA graph %", True),
     # The wall time from one step's schedule to the next's: the whole engine step (device work,
     # the scheduler, everything between), against the scheduler's share above.
     Metric("step_ms_p50", "engine step period ms p50"),
@@ -500,7 +503,7 @@ def add_step_times(step_log: Path, windows: Sequence[tuple[PhaseRun, float, floa
                            "conformance_agent plugin installed beside vLLM?")
     from conformance.engine.step_timer import read_rows
 
-    rows = with_path_pages(read_rows(step_log))
+    rows = annotate_rows(read_rows(step_log))
     for run, t0, t1 in windows:
         steps = [r for r in rows if t0 <= r[0] <= t1 and r[3] > 0]
         if not steps:
@@ -514,7 +517,7 @@ def step_stats(steps: Sequence[Sequence[float]]) -> dict[str, Any]:
     ms = sorted((r[1] + r[2]) * 1e3 for r in steps)
     p50 = statistics.median(ms)
     slow = [x for x in ms if x > SLOW_STEP_FACTOR * p50]
-    # Logs before the replay count had 5 fields (`with_path_pages` pads them with None).
+    # Logs before the replay count had 5 fields (`annotate_rows` pads them with None).
     replays = steps[-1][5] - steps[0][5] if len(steps[0]) > 5 and steps[0][5] is not None else None
     periods = [(b[0] - a[0]) * 1e3 for a, b in itertools.pairwise(steps)]
     return {"sched_ms_p50": p50, "sched_ms_p95": ms[int(0.95 * (len(ms) - 1))], "sched_steps": len(ms),
@@ -522,12 +525,12 @@ def step_stats(steps: Sequence[Sequence[float]]) -> dict[str, Any]:
             "step_ms_p50": statistics.median(periods) if periods else None,
             "requests_per_step": statistics.fmean(r[3] for r in steps),
             "sched_s": sum(ms) / 1e3, "slow_steps": len(slow), "slow_sched_s": sum(slow) / 1e3,
-            **path_pages(steps)}
+            "decode_graph_pct": decode_graph_pct(steps), **path_pages(steps)}
 
 
 def path_pages(steps: Sequence[Sequence[float]]) -> dict[str, Any]:
     """The kv pages unmapped, or mapped or waited for, on the scheduler's path in ``steps``
-    (`with_path_pages`), and the decode-only steps (as many tokens as requests) that had any.
+    (`annotate_rows`), and the decode-only steps (as many tokens as requests) that had any.
     None for logs without the pool's counts."""
     known = [r for r in steps if len(r) > PATH_PAGES and r[PATH_PAGES] is not None]
     if not known:
@@ -536,29 +539,52 @@ def path_pages(steps: Sequence[Sequence[float]]) -> dict[str, Any]:
             "decode_steps_with_path_pages": sum(1 for r in known if r[PATH_PAGES] and r[4] == r[3])}
 
 
-#: Where `with_path_pages` puts a row's own pages on the scheduler's path.
-PATH_PAGES = 10
+#: A step-log row's fields (`conformance.engine.step_timer`); older logs have fewer.
+ROW_FIELDS = 11
+#: Where `annotate_rows` puts a row's own pages on the scheduler's path, and its own CUDA graph
+#: replays.
+PATH_PAGES = ROW_FIELDS
+OWN_REPLAYS = ROW_FIELDS + 1
 
 
-def with_path_pages(rows: Sequence[Sequence[float]]) -> list[list[Any]]:
-    """Step-log rows, each with its step's own kv pages on the scheduler's path appended: the
-    change since the row before (whether or not that one ran work: an idle step's unmaps
-    are its own) of blocking maps + blocking unmaps (`kvcached.stats.PoolStats.path_pages`).
-    A log of 9 fields predates ``blocking_unmaps``: every unmap was on the scheduler's path
-    then, so unmaps stand in for it. Rows are padded to 10 fields with None; the pages are
-    None where the log has no counts, and for the first row."""
+def annotate_rows(rows: Sequence[Sequence[float]]) -> list[list[Any]]:
+    """Step-log rows padded to `ROW_FIELDS` with None, each with two of its step's own counts
+    appended.
+
+    At `PATH_PAGES`: its kv pages on the scheduler's path, the change since the row before
+    (whether or not that one ran work: an idle step's unmaps are its own) of blocking maps +
+    blocking unmaps (`kvcached.stats.PoolStats.path_pages`). A log of 9 fields predates
+    ``blocking_unmaps``: every unmap was on the scheduler's path then, so unmaps stand in for
+    it. None where the log has no counts, and for the first row.
+
+    At `OWN_REPLAYS`: its CUDA graph replays, the next row's replays at schedule less its own
+    (one step is launched between two schedules). None for the last row, and for logs before
+    that field."""
     out: list[list[Any]] = []
     for i, row in enumerate(rows):
         before = rows[i - 1] if i else None
+        after = rows[i + 1] if i + 1 < len(rows) else None
         counted = len(row) >= 9 and before is not None and len(before) >= 9
-        padded = [*row[:10], *[None] * (10 - len(row))]  # older logs: fewer fields, None for the rest
-        pages = None
+        padded = [*row[:ROW_FIELDS], *[None] * (ROW_FIELDS - len(row))]  # older logs: None for the rest
+        pages = replays = None
         if counted:
             assert before is not None
             unmaps = 9 if len(row) >= 10 and len(before) >= 10 else 7  # blocking unmaps, or (older) all
             pages = (row[unmaps] - before[unmaps]) + (row[8] - before[8])
-        out.append([*padded, pages])
+        if after is not None and len(row) >= ROW_FIELDS and len(after) >= ROW_FIELDS:
+            replays = after[ROW_FIELDS - 1] - row[ROW_FIELDS - 1]
+        out.append([*padded, pages, replays])
     return out
+
+
+def decode_graph_pct(steps: Sequence[Sequence[Any]]) -> float | None:
+    """The share (%) of decode steps (one token per request) that replayed a CUDA graph; None
+    for logs without each step's own replays, or where no step replayed any (eager, or a CPU)."""
+    known = [r for r in steps if len(r) > OWN_REPLAYS and r[OWN_REPLAYS] is not None]
+    if not any(r[OWN_REPLAYS] for r in known):
+        return None
+    decode = [r for r in known if r[3] == r[4]]
+    return 100.0 * sum(1 for r in decode if r[OWN_REPLAYS] >= 1) / len(decode) if decode else None
 
 
 def step_log_main(paths: Sequence[str]) -> int:
@@ -567,7 +593,7 @@ def step_log_main(paths: Sequence[str]) -> int:
     from conformance.engine.step_timer import read_rows
 
     for path in paths:
-        steps = [r for r in with_path_pages(read_rows(path)) if r[3] > 0]
+        steps = [r for r in annotate_rows(read_rows(path)) if r[3] > 0]
         if not steps:
             raise SystemExit(f"{path}: no step that ran work")
         print(json.dumps({"log": path, **step_stats(steps)}))
@@ -975,7 +1001,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=tuple(SETUPS), default="cpu",
                     help="cpu: the tiny and large fp32 models; cuda: the ~1B bf16 models (GPU_MODELS)")
-    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default: cpu 5, cuda 3)")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default: 5)")
     ap.add_argument("--models", default=None, help=f"comma-separated, of {','.join(MODELS)} (cpu; the default: "
                     f"tiny,large) or {','.join(GPU_MODELS)} (cuda; the default: all)")
     ap.add_argument("--phases", default="rate,saturation,overload", help=f"comma-separated, of {','.join(PHASE_ORDER)}")

@@ -271,6 +271,7 @@ def test_step_times_go_to_the_phase_whose_client_ran_and_only_where_both_sides_h
                               "step_ms_p50": pytest.approx(1250.0), "requests_per_step": pytest.approx(4.0),
                               # 13 ms is over 3x the 4 ms median: one slow step
                               "sched_s": pytest.approx(0.020), "slow_steps": 1, "slow_sched_s": pytest.approx(0.013),
+                              "decode_graph_pct": None,  # a log before each step's own replays
                               "path_pages": None, "decode_steps_with_path_pages": None}  # no pool counts
     assert runs[1].result["sched_ms_p50"] == pytest.approx(5.0) and runs[1].result["sched_steps"] == 1
     # With the replay count (cumulative, the 6th field): 30 replays over the window's 3 steps.
@@ -349,13 +350,13 @@ def test_pages_on_the_schedulers_path_are_each_steps_own_change_of_the_pools_cou
             [1.2, 0.001, 0.001, 4, 4, 0, 13, 2, 11, 0],   # decode, 1 blocking map, 2 unmaps sent ahead: 1
             [1.3, 0.0, 0.0, 0, 0, 0, 13, 5, 11, 3],       # idle: its 3 unmaps waited for are its own
             [1.4, 0.001, 0.001, 4, 40, 0, 14, 5, 12, 3]]  # prefill: 1 blocking map
-    annotated = bs.with_path_pages(rows)
+    annotated = bs.annotate_rows(rows)
     assert [r[bs.PATH_PAGES] for r in annotated] == [None, 0, 1, 3, 1]
     busy = [r for r in annotated if r[3] > 0]
     assert bs.path_pages(busy) == {"path_pages": 2, "decode_steps_with_path_pages": 1}
-    before = bs.with_path_pages([r[:9] for r in rows])  # 12-05's logs: 9 fields, unmaps all blocking
-    assert [r[bs.PATH_PAGES] for r in before] == [None, 0, 3, 3, 1] and all(len(r) == 11 for r in before)
-    old = bs.with_path_pages([[1.0, 0.001, 0.001, 4, 4, 7], [1.1, 0.001, 0.001, 4, 4, 9]])  # a log before the counts
+    before = bs.annotate_rows([r[:9] for r in rows])  # 12-05's logs: 9 fields, unmaps all blocking
+    assert [r[bs.PATH_PAGES] for r in before] == [None, 0, 3, 3, 1] and all(len(r) == 13 for r in before)
+    old = bs.annotate_rows([[1.0, 0.001, 0.001, 4, 4, 7], [1.1, 0.001, 0.001, 4, 4, 9]])  # a log before the counts
     assert bs.path_pages(old) == {"path_pages": None, "decode_steps_with_path_pages": None}
     assert bs.step_stats(old)["graph_replays_per_step"] == pytest.approx(1.0)
 
@@ -378,3 +379,22 @@ vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
     assert bs.parse_prefix_counts("vllm:num_requests_running 3.0\n") is None
     assert bs.prefix_hit_pct(None, after) is None
     assert [m.key for m in bs.METRICS][-1] == "prefix_hit_pct"
+
+
+def test_a_steps_own_replays_are_the_change_of_the_count_at_schedule_to_the_next_row() -> None:
+    """The last field is the replay count when the step's schedule began; one step is launched
+    between two schedules, so the next row's count less this one's is the step's own replays
+    (the count at the update, field 5, already holds the next step's under async scheduling)."""
+    pages = [0, 0, 0, 0]
+    rows = [[1.0, 0.001, 0.001, 4, 4, 1, *pages, 0],    # decode: 1 replay (FULL graph)
+            [1.1, 0.001, 0.001, 5, 300, 18, *pages, 1],  # mixed <= 512 tokens: 17 pieces
+            [1.2, 0.001, 0.001, 5, 5, 18, *pages, 18],   # decode that fell back to eager: 0
+            [1.3, 0.001, 0.001, 5, 5, 19, *pages, 18],   # decode: 1
+            [1.4, 0.001, 0.001, 5, 5, 19, *pages, 19]]   # the last: its own replays unknown
+    annotated = bs.annotate_rows(rows)
+    assert [r[bs.OWN_REPLAYS] for r in annotated] == [1, 17, 0, 1, None]
+    assert bs.decode_graph_pct(annotated) == pytest.approx(100 * 2 / 3)  # 2 of the 3 known decode steps
+    assert bs.step_stats(annotated)["decode_graph_pct"] == pytest.approx(100 * 2 / 3)
+    eager = bs.annotate_rows([[*r[:10], 0] for r in rows])  # no replay anywhere: eager, or a CPU
+    assert bs.decode_graph_pct(eager) is None
+    assert bs.decode_graph_pct(bs.annotate_rows([r[:10] for r in rows])) is None  # a log before the field

@@ -3,6 +3,9 @@ replay counted once, through the original, however often the counter is installe
 
 from __future__ import annotations
 
+import itertools
+from pathlib import Path
+
 import pytest
 
 
@@ -19,3 +22,52 @@ def test_each_replay_is_counted_once_and_still_runs(monkeypatch: pytest.MonkeyPa
     torch.cuda.CUDAGraph.replay("graph a")
     torch.cuda.CUDAGraph.replay("graph b")
     assert ReplayCounter.count == 2 and replayed == ["graph a", "graph b"]
+
+
+class _Scheduler:
+    """The three methods the timer wraps, as vLLM's engine loop calls them (no vLLM here)."""
+
+    def __init__(self) -> None:
+        self.unfinished = True
+
+    def schedule(self) -> object:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(num_scheduled_tokens={"r": 1}, total_num_scheduled_tokens=1)
+
+    def update_from_output(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.unfinished
+
+
+def test_a_steps_own_replays_are_read_between_its_schedule_and_the_next(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Async scheduling launches step i+1 before step i's update: the count at the update (field
+    5) holds the next step's replays, the count at each schedule (the last field) does not."""
+    from conformance.engine.step_timer import ReplayCounter, instrument, read_rows
+
+    monkeypatch.setattr(ReplayCounter, "count", 0)
+    sched = _Scheduler()
+    log = instrument(sched, str(tmp_path / "steps.jsonl"))
+    own = [1, 17, 0]  # step 1 a FULL graph, step 2 PIECEWISE pieces, step 3 eager
+    sched.schedule()
+    ReplayCounter.count += own[0]  # step 1 runs
+    for i in (1, 2):
+        sched.schedule()  # step i+1, scheduled and launched before step i's update
+        ReplayCounter.count += own[i]
+        sched.update_from_output()  # step i's
+    sched.schedule()  # step 4: what follows step 3
+    sched.update_from_output()  # step 3's
+    sched.unfinished = False
+    sched.update_from_output()  # step 4's; the engine idles: the log is flushed
+    rows = read_rows(log.path)
+    at_schedule = [r[-1] for r in rows]
+    assert [b - a for a, b in itertools.pairwise(at_schedule)] == own
+    # At the updates the count already holds the next step's replays: read there, step 1 would
+    # look like 18 replays and step 2 like none.
+    assert [r[5] for r in rows] == [18, 18, 18, 18]

@@ -12,11 +12,15 @@ timed region. Step i is the i-th ``schedule`` with the i-th ``update_from_output
 scheduling runs one ahead), as in ``benchmarks/bench_scheduler.py``.
 
 Each step appends one JSON line ``[wall_time, schedule_s, update_s, requests, tokens, replays,
-maps, unmaps, blocking_maps, blocking_unmaps]`` (``requests``: requests scheduled in the step; ``replays``: CUDA
-graph replays in this process so far, counted at the step's update: where the worker runs in
-the EngineCore process, as with vLLM's UniProcExecutor on one GPU, a phase's replays per step
-show whether its steps ran as graphs or fell back to eager; the last four: the kvcached pool's
-page counts so far, `page_counts`, zeros on native) to the path, buffered: written every
+maps, unmaps, blocking_maps, blocking_unmaps, replays_at_schedule]`` (``requests``: requests
+scheduled in the step; ``replays``: CUDA graph replays in this process so far, counted at the
+step's update, where the worker runs in the EngineCore process, as with vLLM's UniProcExecutor on
+one GPU; then the kvcached pool's page counts so far, `page_counts`, zeros on native; last, the
+replays so far when the step's ``schedule`` began). Exactly one step is launched between two
+``schedule`` calls, async scheduling or not, so the change of the last field from one row to the
+next is that step's own replays: whether it ran as a graph or fell back to eager. (At the
+update, async scheduling has already launched the next step: 12-05's logs, which lack the last
+field, read one row late.) Rows go to the path, buffered: written every
 `FLUSH_EVERY` steps and whenever the engine runs out of requests (outside the timed
 region), and when the scheduler shuts down or the process exits.
 """
@@ -87,15 +91,17 @@ def instrument(sched: Any, path: str) -> StepLog:
     schedule_fn = type(sched).schedule.__get__(sched)
     update_fn = type(sched).update_from_output.__get__(sched)
     shutdown_fn = type(sched).shutdown.__get__(sched)
-    scheduled: deque[tuple[float, float, int, int]] = deque()  # steps awaiting their update
+    scheduled: deque[tuple[float, float, int, int, int]] = deque()  # steps awaiting their update
     clock = time.perf_counter
     pages = page_counts(sched)
 
     def schedule(*args: Any, **kwargs: Any) -> Any:
+        replays = ReplayCounter.count  # every replay since the last schedule is the last step's
         t = clock()
         out = schedule_fn(*args, **kwargs)
         dt = clock() - t
-        scheduled.append((time.time(), dt, len(out.num_scheduled_tokens), int(out.total_num_scheduled_tokens)))
+        scheduled.append((time.time(), dt, len(out.num_scheduled_tokens), int(out.total_num_scheduled_tokens),
+                          replays))
         return out
 
     def update_from_output(*args: Any, **kwargs: Any) -> Any:
@@ -103,8 +109,8 @@ def instrument(sched: Any, path: str) -> StepLog:
         out = update_fn(*args, **kwargs)
         dt = clock() - t
         if scheduled:
-            wall, schedule_s, requests, tokens = scheduled.popleft()
-            log.rows.append((wall, schedule_s, dt, requests, tokens, ReplayCounter.count, *pages()))
+            wall, schedule_s, requests, tokens, replays = scheduled.popleft()
+            log.rows.append((wall, schedule_s, dt, requests, tokens, ReplayCounter.count, *pages(), replays))
             if len(log.rows) >= FLUSH_EVERY or not sched.has_unfinished_requests():
                 log.flush()  # outside the timed region; idle: a reader may be waiting
         return out

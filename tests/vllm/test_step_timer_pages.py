@@ -47,7 +47,7 @@ def _rows(kvcached: bool, tmp_path: Path) -> list[list[float]]:
 @pytest.mark.parametrize("kvcached", [True, False], ids=["kvcached", "native"])
 def test_each_step_row_ends_with_the_pools_page_counts(kvcached: bool, tmp_path: Path) -> None:
     rows = _rows(kvcached, tmp_path)
-    assert rows and all(len(r) == 10 for r in rows)
+    assert rows and all(len(r) == 11 for r in rows)
     maps, unmaps, blocking, blocking_unmaps = (max(r[i] for r in rows) for i in (6, 7, 8, 9))
     if kvcached:
         assert maps > 0 and blocking > 0  # its first pages, mapped on the CPU inline
