@@ -26,12 +26,17 @@
 # fg 495 --time-budget 440 (round 1, 307 s) and fg 565 --resume --time-budget 555 (rounds 2-3,
 # 473 s); servers 39-73 s to start) and the sharing run's three parts (reports/gpu/sharing-serve:
 # 164 s, 72 s, 147 s, one call each). The machine came up in 28 s. Next, in order:
-#   1. the sharing run again: its bursts are streamed since, so it measures each request's time
+#   1. the 1b run with 5 rounds (the count; --rounds 5 is the default), its report now
+#      with each phase's prefix hit rate (/metrics) and decode steps run as a graph; and the same
+#      with --kvcached-env KVCACHED_MAX_CACHED_BLOCKS=-1 (run-12-05c: native served 17-43% of
+#      prompt tokens from its prefix cache, kvcached 7-16%; on CPU that ablation closed the rate
+#      phase's miss, reports/bench/serving_large_nocap);
+#   2. the sharing run again: its bursts are streamed since, so it measures each request's time
 #      to first token on both sides (how long B's burst waits for memory), three calls;
-#   2. the serving rows the default run leaves out, a model per run (3 rounds each, ~8 min):
-#      --models 1b-eager, then 1b-v1, then hybrid;
-#   3. after a cut in kvcached's scheduler time per decode step (the gap run-12-05c leaves), the
-#      1b run again beside the `before` build of 2f96d21 (a before/after on one machine).
+#   3. the serving rows the default run leaves out, a model per run: --models 1b-eager, then
+#      1b-v1, then hybrid;
+#   4. after a cut in kvcached's scheduler time per running request, the 1b run again beside the
+#      `before` build of its parent commit (a before/after on one machine).
 # Parts are 44 MiB since 12-05 night (the tracked tree grew to 18 MB; 48 MiB parts no longer fit
 # one 64 MiB call with it); rebuild the bundle with `gpu_bundle build` if its parts are larger.
 #   fg 560 serving python3 benchmarks/bench_serving.py --device cuda --models 1b --rounds 3 --step-times \
