@@ -52,7 +52,7 @@ class Timed:
     """A streamed completion's tokens and its time to first token (s, as the client saw it)."""
 
     tokens: list[int]
-    ttft_s: float
+    ttft_s: float | None  # None: not streamed, not measured
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,11 @@ class SharingPlan:
     max_model_len: int = 1024
     eager: bool = True  # CPU engines; on a GPU the servers compile, as users run them
     server_args: tuple[str, ...] = ()
+    #: Bursts streamed, each request's time to first token kept (`Burst.ttft_s`): on the GPU,
+    #: where it is measured. Not on 2 CPU cores: a token a chunk for 16 streams loads the API
+    #: server and this process, and beside a hog (12-06) that spread a burst's requests over
+    #: seconds, so B never needed what A gave back and the check could not see it.
+    stream: bool = False
 
     @classmethod
     def quick(cls) -> SharingPlan:
@@ -110,7 +115,7 @@ class SharingPlan:
         tenth of the GPU besides its KV: vLLM checks that much is free as each one starts."""
         return cls(budget_bytes=512 * MiB, page_size=2 * MiB, prompt_tokens=(2300, 2900),
                    cycles=3 if quick else 10, retrials=8 if quick else 24, device="cuda", max_model_len=4096,
-                   eager=False, server_args=("--gpu-memory-utilization", "0.1"))
+                   eager=False, server_args=("--gpu-memory-utilization", "0.1"), stream=True)
 
     def server(self, label: str, arch: str, kvcached: bool, extra_env: tuple[tuple[str, str], ...] = ()) -> ServerSpec:
         """One side's `vllm serve` on this plan's device."""
@@ -136,7 +141,7 @@ class Burst:
     completed: int
     differences: list[Difference] = field(default_factory=list)  # requests that differ from the reference
     peak_bytes: int = 0
-    ttft_s: list[float] = field(default_factory=list)  # each completed request's (none in runs before 12-06)
+    ttft_s: list[float] = field(default_factory=list)  # each completed request's, when streamed
 
 
 @dataclass
@@ -199,12 +204,14 @@ def differences(got: Sequence[list[int] | None], ref: Sequence[retrial.Reference
     return retrial.differences(got, ref, range(len(got)))
 
 
-def send_burst(server: Server, batch: Sequence[Sequence[int]], max_tokens: int) -> list[Timed | None]:
-    """All of ``batch`` at once, streamed (each request's time to first token); a failed
-    request gives None (only a killed engine's may)."""
+def send_burst(server: Server, batch: Sequence[Sequence[int]], max_tokens: int, stream: bool) -> list[Timed | None]:
+    """All of ``batch`` at once (``stream``: streamed, each request's time to first token
+    kept; else None there); a failed request gives None (only a killed engine's may)."""
     def one(p: Sequence[int]) -> Timed | None:
         try:
-            return server.complete_timed(p, max_tokens, timeout_s=300.0)
+            if stream:
+                return server.complete_timed(p, max_tokens, timeout_s=300.0)
+            return Timed(server.complete(p, max_tokens, timeout_s=300.0), None)
         except (ServerError, OSError):
             return None
 
@@ -218,7 +225,7 @@ def tokens_of(got: Sequence[Timed | None]) -> list[list[int] | None]:
 
 def ttfts_of(got: Sequence[Timed | None]) -> list[float]:
     """The completed requests' times to first token."""
-    return [g.ttft_s for g in got if g is not None]
+    return [g.ttft_s for g in got if g is not None and g.ttft_s is not None]
 
 
 # ---- observing the record -----------------------------------------------------------------------
@@ -383,7 +390,7 @@ class Stage:
               tokens: tuple[int, int] | None = None) -> Burst:
         batch = prompts(self.plan, engine, index, n, tokens)
         start = self.now()
-        got = send_burst(self.servers[engine], batch, max_tokens or self.plan.max_tokens)
+        got = send_burst(self.servers[engine], batch, max_tokens or self.plan.max_tokens, self.plan.stream)
         done = Burst(engine, label or f"{engine}{index}", round(start, 3), round(self.now(), 3), len(batch),
                      sum(t is not None for t in got), ttft_s=ttfts_of(got))
         ref = self.reference.get(f"{engine}{index}")
@@ -435,7 +442,7 @@ def native_side(plan: SharingPlan, work: Path, result: SharingResult) -> Referen
         for key in ("A0", "B0", "B1", f"B{2 + plan.cycles}"):
             engine, batch, m = bursts[key]
             start = time.monotonic() - t0
-            got = send_burst(by[engine], batch, m)
+            got = send_burst(by[engine], batch, m, plan.stream)
             result.native_bursts.append(Burst(engine, key, round(start, 3), round(time.monotonic() - t0, 3),
                                               len(batch), sum(t is not None for t in got),
                                               differences(tokens_of(got), reference[key]), plan.budget_bytes // 2,

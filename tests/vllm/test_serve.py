@@ -48,7 +48,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, obje
         with serving(spec, model, work / "logs") as server:
             alone = one_at_a_time(server, prompts, MAX_TOKENS)
             together = all_at_once(server, prompts, MAX_TOKENS)
-            out[spec.label] = {"alone": alone, "together": together}
+            streamed = [server.complete_timed(p, MAX_TOKENS) for p in prompts[:4]]
+            out[spec.label] = {"alone": alone, "together": together, "streamed": streamed}
         out[spec.label]["log"] = server.log()
         out[spec.label]["exit"] = server.proc.returncode
     return out
@@ -81,6 +82,16 @@ def test_requests_one_at_a_time_give_native_tokens(served: dict[str, dict[str, o
     assert compare_tokens(served["native-control"]["alone"], served["native"]["alone"]).exact  # type: ignore[arg-type]
     shifted = [toks[1:] + toks[:1] for toks in served["native"]["alone"]]  # type: ignore[union-attr]
     assert compare_tokens(shifted, served["native"]["alone"]).mismatches  # type: ignore[arg-type]
+
+
+def test_a_streamed_request_gives_the_same_tokens_and_its_time_to_first_token(
+        served: dict[str, dict[str, object]]) -> None:
+    """`Server.complete_timed` (the sharing run's bursts on a GPU): the tokens of the plain
+    request, assembled from the stream, and a first-token time within the request's."""
+    for side in served.values():
+        streamed = side["streamed"]
+        assert [t.tokens for t in streamed] == side["alone"][:4]  # type: ignore[attr-defined,index]
+        assert all(t.ttft_s is not None and 0 < t.ttft_s < 60 for t in streamed)  # type: ignore[attr-defined]
 
 
 def test_concurrent_requests_stay_within_the_native_noise_floor(served: dict[str, dict[str, object]]) -> None:
