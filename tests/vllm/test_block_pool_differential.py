@@ -13,6 +13,7 @@ elastic pool's mapped pages must follow its live + cached blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import pytest
 from hypothesis import HealthCheck, event, settings
@@ -72,11 +73,16 @@ class Seq:
 
 
 class PoolDifferential(RuleBasedStateMachine):
+    #: The elastic pool's knobs beyond `make_elastic`'s, and whether each step's `collect`
+    #: says the engine is busy (the cached-block cap applies only when it is not).
+    CFG: ClassVar[dict[str, object]] = {}
+    BUSY = False
+
     def __init__(self) -> None:
         super().__init__()
         self.native = BlockPool(num_gpu_blocks=NUM_BLOCKS, enable_caching=True, hash_block_size=HASH,
                                 enable_kv_cache_events=True)
-        self.elastic, self.vrange = make_elastic()
+        self.elastic, self.vrange = make_elastic(**self.CFG)
         self.n2e: dict[int, int] = {0: 0}
         self.e2n: dict[int, int] = {0: 0}
         self.live: list[Seq] = []
@@ -265,7 +271,7 @@ class PoolDifferential(RuleBasedStateMachine):
         if self.elastic._stranded:
             event("STRANDED blocks present")
         self.elastic.check()
-        self.elastic.collect()  # no step in flight: every ticket has passed
+        self.elastic.collect(busy=self.BUSY)  # no step in flight: every ticket has passed
         held_pages = {self.elastic.ledger.page_of(b) for b in range(NUM_BLOCKS)
                       if self.elastic.ledger.is_held(b)}
         assert self.elastic.page_pool.mapped == held_pages
@@ -278,3 +284,18 @@ PoolDifferential.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestPoolDifferential = PoolDifferential.TestCase
+
+
+class BusyCappedDifferential(PoolDifferential):
+    """The strictest cap (0 cached blocks) changes nothing while the engine is busy: hits,
+    evictions, events, free counts and queue order stay native (the cap waits for idle)."""
+
+    CFG: ClassVar[dict[str, object]] = {"max_cached_blocks": 0}
+    BUSY = True
+
+
+BusyCappedDifferential.TestCase.settings = settings(
+    max_examples=50, stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestBusyCappedDifferential = BusyCappedDifferential.TestCase

@@ -187,7 +187,7 @@ HOLD_CHILD = textwrap.dedent("""
     for hold in ("0", "64"):
         os.environ["KVCACHED_HOLD_STEPS"] = hold
         llm = LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-                  block_size=block_size, enable_prefix_caching=True, max_model_len=512, seed=0,
+                  block_size=block_size, enable_prefix_caching=False, max_model_len=512, seed=0,
                   kv_cache_memory_bytes=32 << 20, max_num_seqs=2)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         (stats,) = kvcached.stats().values()
@@ -205,13 +205,14 @@ def test_a_busy_engine_holds_pages_it_wants_again_and_gives_them_back_when_idle(
                                                                                 tmp_path: Path) -> None:
     """Holding pages while busy (``KVCACHED_HOLD_STEPS``), through the scheduler seam that says
     whether the engine is busy. Requests end and start while others run (two at a time,
-    different lengths, no cached blocks kept), so pages empty while the engine is busy and are
+    different lengths, prefix caching off: a busy engine keeps its cached blocks, and this
+    test wants none), so pages empty while the engine is busy and are
     wanted again a few steps later. The same workload runs twice in one child, holding nothing
     (the default) and then holding for 64 steps: the same tokens, fewer pages mapped when
     held, and once idle both gave back every page but the reserve's and the null block's."""
     runs = run_engine(tiny_llama, tmp_path / "runs.json", HOLD_CHILD, KVCACHED_ENABLE="1",
-                      KVCACHED_PAGE_SIZE=str(64 << 10), KVCACHED_MAX_CACHED_BLOCKS="0",
-                      KVCACHED_MAX_RESERVE_PAGES="1", KVCACHED_BUDGET_PATH="off")
+                      KVCACHED_PAGE_SIZE=str(64 << 10), KVCACHED_MAX_RESERVE_PAGES="1",
+                      KVCACHED_BUDGET_PATH="off")
     plain, held = runs.values()
     assert held["tokens"] == plain["tokens"]
     assert plain["unmaps"] > 0, "the workload must empty pages while busy, or it tests nothing"
