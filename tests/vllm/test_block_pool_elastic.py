@@ -370,3 +370,26 @@ def test_a_running_request_covered_by_mapped_blocks_skips_admission(rigs) -> Non
     faulty = rigs(faults=FaultInjector.from_plans([])).pool
     faulty.running_block_sizes = (BLOCK,)
     assert faulty.ledger.backed_free == 3 and not faulty.admit_running(1)
+
+
+def test_a_pool_full_of_cached_blocks_skips_admission_for_running_requests(rigs) -> None:
+    """With every CLEAN block backed, free cached blocks (held, so mapped) serve whatever vLLM
+    can take: `admit_running` says yes however few CLEAN blocks there are, the free count is
+    native, and the blocks handed out need no map. With a CLEAN block on an unmapped page
+    and too few backed ones it says no."""
+    rig = rigs()
+    pool = rig.pool
+    pool.running_block_sizes = (BLOCK,)
+    pool.free_blocks(reversed(cached_request(pool, 15)))  # every block cached, every page mapped
+    assert pool.ledger.num_free == pool.ledger.backed_free == 0
+    assert pool.free_block_queue.num_free_blocks == 15
+    assert pool.admit_running(BLOCK * 4), "every CLEAN block (none) is backed: no admission work"
+    assert pool.get_num_free_blocks() == 15
+    maps = pool.page_pool.counters().maps
+    taken = pool.get_new_blocks(6)  # positional: cached blocks, evicted natively
+    assert pool.page_pool.counters().maps == maps and all(pool.state_of(b.block_id) == "live" for b in taken)
+    pool.check()
+    other = rigs().pool  # 3 CLEAN blocks backed on page 0, 12 on unmapped pages
+    other.running_block_sizes = (BLOCK,)
+    assert other.ledger.backed_free == 3 < other.ledger.num_free
+    assert not other.admit_running(BLOCK * 2)
