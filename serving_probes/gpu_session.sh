@@ -21,16 +21,13 @@
 # H200 timings (12-04): staging 10 s, install 52-57 s; the V1 matrix with 8 jobs: hybrids 406 s,
 # llama and qwen3 244 s; nemotron_h alone 373 s; V2 dense mp rows 154 s; the GPU engine tests
 # 374 s; bench_serving 1b: a server ~85 s to start, a phase ~33 s (7 phase runs in 510 s).
-# The next session's calls, in order of need (issue 30). Done 12-05 night (an H100, 1,313 s of the
-# lease): the 3-round serving run (reports/gpu/serving/run-12-05c: stage 0.2 s, install 37 s, then
-# fg 495 --time-budget 440 (round 1, 307 s) and fg 565 --resume --time-budget 555 (rounds 2-3,
-# 473 s); servers 39-73 s to start) and the sharing run's three parts (reports/gpu/sharing-serve:
-# 164 s, 72 s, 147 s, one call each). The machine came up in 28 s. Next, in order:
-#   1. the 1b run with 5 rounds (the issue's count; --rounds 5 is the default), its report now
-#      with each phase's prefix hit rate (/metrics) and decode steps run as a graph; and the same
-#      with --kvcached-env KVCACHED_MAX_CACHED_BLOCKS=-1 (run-12-05c: native served 17-43% of
-#      prompt tokens from its prefix cache, kvcached 7-16%; on CPU that ablation closed the rate
-#      phase's miss, reports/bench/serving_large_nocap);
+# The next session's calls, in order of need (issue 30). Done 12-06 early (an H200, 1,463 s of the
+# lease): the 1b run with 5 rounds on tree 39686d4 (the cap waiting for idle), cut at 4 rounds when
+# the machine was gone before the fourth call (reports/gpu/serving/run-12-06: install 56 s, the
+# first, cold native server 160 s; fg 495 --time-budget 440 ran 1 server (243 s), then fg 565
+# --time-budget 555 ran 3 and 4 servers (464 s, 523 s)). A failed start cost 121 s. Next, in order:
+#   1. the 1b run with 5 rounds again, on the tree with the decode gate fix (4137afa): three calls
+#      of fg 565 --time-budget 555 after the install call (5 rounds: 10 servers of ~130 s);
 #   2. the sharing run again: its bursts are streamed since, so it measures each request's time
 #      to first token on both sides (how long B's burst waits for memory), three calls;
 #   3. the serving rows the default run leaves out, a model per run: --models 1b-eager, then
