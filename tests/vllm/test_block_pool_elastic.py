@@ -273,6 +273,15 @@ def test_injected_admission_fault_is_a_scheduling_miss(rigs) -> None:
         assert pool.get_num_free_blocks() >= 2
 
 
+def test_instance_dict_holds_only_vllms_attributes(rigs) -> None:
+    """kvcached's state is in slots: with it in the dict, CPython (3.11+) passes its 30 shared
+    keys, materializes the dict and drops the specialized attribute and method lookups on
+    the pool, in vLLM's code and ours (the decode path pays it for every running request)."""
+    pool = rigs().pool
+    native = BlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=BLOCK, enable_kv_cache_events=True)
+    assert set(vars(pool)) <= set(vars(native))
+
+
 def test_caching_off_pool_reuses_and_returns_pages() -> None:
     native = BlockPool(num_gpu_blocks=16, enable_caching=False, hash_block_size=BLOCK)
     geometry = plan_geometry([STRIDE], 16, PAGE)
