@@ -351,8 +351,9 @@ def notes(result: dict[str, Any], native: int) -> list[str]:
          "the Environment) and burst 1 includes first-call warm-up; the bytes do not depend on it."),
         ("**Prefix hits**: the sum of `RequestOutput.num_cached_tokens` over burst 2 (blocks: per request, "
          "tokens // block size). Cached blocks: free blocks that keep a block hash, counted on the pool at "
-         "the end of each idle window. The cap trades idle footprint for hits: capped blocks are evicted "
-         "when they are freed, so burst 2 finds fewer of burst 1's prefixes."),
+         "the end of each idle window. The cap trades idle footprint for hits: the blocks above it are evicted "
+         "when the engine goes idle (a busy engine caches as vLLM does), so burst 2 finds fewer of burst 1's "
+         "prefixes."),
     ]
 
 
