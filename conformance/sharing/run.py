@@ -623,10 +623,16 @@ class SharingRun:
         except (ValueError, KeyError, TypeError) as e:
             raise SharingStateError(f"{path} is not a sharing run's saved state ({type(e).__name__}: {e}): "
                                     "remove it to start over") from None
-        if state.result.plan != json.loads(json.dumps(asdict(plan))):
+        if state.result.plan != plan_record(plan):
             raise SharingStateError(f"{path} is a run of another plan (--quick or --device differ): remove it, "
                                     "or go on with the plan that made it")
         return state
+
+
+def plan_record(plan: SharingPlan) -> dict[str, Any]:
+    """The plan as its result records it: in JSON's types (lists, not tuples), so that the report
+    a run writes and the one rendered again from its saved JSON are the same."""
+    return json.loads(json.dumps(asdict(plan)))
 
 
 class SharingStateError(ValueError):
@@ -659,7 +665,7 @@ def run(plan: SharingPlan, work: Path, sides: Sequence[str] = SIDES, state_path:
     if state_path is not None and state_path.is_file():
         state = SharingRun.load(state_path, plan)
     else:
-        state = SharingRun(SharingResult(plan=asdict(plan)))
+        state = SharingRun(SharingResult(plan=plan_record(plan)))
     check_order(state.done, sides)  # before any server starts
     for side in sides:
         _run_side(side, plan, work, state)
