@@ -332,7 +332,8 @@ class KvcachedConfig:
     ``budget_path`` is None (the per-user default record of the device), a record's path,
     or ``"off"`` (no record: nothing shared, nothing limited); ``max_cached_blocks`` is -1
     (unlimited), a block count >= 0 or ``"P%"`` of the pool (`cached_cap` turns it into
-    blocks): the free cached blocks an *idle* engine keeps (a busy one caches as vLLM does). ``host_reserve`` is what a CPU engine without a ``budget_bytes`` keeps free of
+    blocks): the free cached blocks an *idle* engine keeps (a busy one caches as vLLM
+    does). ``host_reserve`` is what a CPU engine without a ``budget_bytes`` keeps free of
     KV when it derives the host record's limit (`kvcached.host`): bytes, ``"P%"`` of the
     host's memory, or None (``off``: no limit derived).
     """
