@@ -294,8 +294,5 @@ class BusyCappedDifferential(PoolDifferential):
     BUSY = True
 
 
-BusyCappedDifferential.TestCase.settings = settings(
-    max_examples=50, stateful_step_count=50, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+BusyCappedDifferential.TestCase.settings = settings(PoolDifferential.TestCase.settings, max_examples=50)
 TestBusyCappedDifferential = BusyCappedDifferential.TestCase
