@@ -447,7 +447,10 @@ class BlockLedger:
         return self.backed_free_count()
 
     def pool_stats(self) -> PoolStats:
-        """Snapshot for `kvcached.stats()` (the ledger is the registered stats source)."""
+        """Snapshot for `kvcached.stats()` (the ledger is the registered stats source), of
+        settled books: unmaps an idle engine's last step sent are waited for (they are off
+        that step's path, `PagePool.collect`), so an idle engine reports what it maps."""
+        self.pool.settle(wait=True)
         c = self.pool.counters()
         page_bytes = self.pool.space.kv_page_bytes
         return PoolStats(

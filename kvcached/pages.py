@@ -576,10 +576,12 @@ class PagePool:
             skip = _AnyOf(self.pending, self.draining) if skip_pending else self.draining
             return self._unmapped.lowest(n, self._mapped, skip)
 
-    def settle(self) -> None:
-        """Take in every refill whose replies have arrived (never waits)."""
+    def settle(self, *, wait: bool = False) -> None:
+        """Take in every refill and unmap whose replies have arrived; ``wait``: wait for every
+        one in flight first (a snapshot of the books, `kvcached.stats()`, asks so: an idle
+        engine's unmaps are still in flight when its last step ends, see `collect`)."""
         with self._lock:
-            self._confirm(wait=False)
+            self._confirm(wait=wait, on_path=False)
 
     def is_mapped(self, page: int) -> bool:
         """Whether ``page`` is mapped and usable (in use or in the reserve; not quarantined)."""
@@ -654,16 +656,17 @@ class PagePool:
         if self._watcher is not None:
             self._watcher(pages, ())
 
-    def _confirm(self, wait: bool, pages: Iterable[int] | None = None) -> None:
+    def _confirm(self, wait: bool, pages: Iterable[int] | None = None, *, on_path: bool = True) -> None:
         """Settle unmaps, then refills, in flight: confirmed refills join the reserve
         (ticket 0), confirmed unmaps are free.
 
         ``wait=False`` settles only those whose replies are in (never waits); ``wait=True``
-        settles those holding ``pages`` (default: all), waiting for their replies.
+        settles those holding ``pages`` (default: all), waiting for their replies
+        (``on_path``: on the scheduler's path, see `_settle_unmaps`).
         """
         if self.draining:
             wanted = None if pages is None else list(pages)
-            self._settle_unmaps(wait, wanted)
+            self._settle_unmaps(wait, wanted, on_path=on_path)
             pages = wanted
         if not self.pending:
             return
@@ -726,12 +729,13 @@ class PagePool:
             self.draining.add(batch, confirmation)
         self._settle_unmaps(wait=False)
 
-    def _settle_unmaps(self, wait: bool, pages: Iterable[int] | None = None) -> None:
+    def _settle_unmaps(self, wait: bool, pages: Iterable[int] | None = None, *, on_path: bool = True) -> None:
         """Settle unmaps in flight (as `_confirm` says which): their pages are free, except
         those a refusing backing or rank still maps, which are quarantined (mapped, never
-        handed out, retried by `collect`). An unmap waited for here counts as blocking."""
+        handed out, retried by `collect`). An unmap waited for here counts as blocking
+        when ``on_path`` (a snapshot's wait, `settle`, is not the scheduler's)."""
         for conf, batch in self.draining.take(wait, pages):
-            if not conf.done():
+            if on_path and not conf.done():
                 self._tally.blocking_unmaps += len(batch)
             stuck: list[int] = []
             try:
@@ -905,12 +909,16 @@ class PagePool:
         step, keeping what the reserve policy says (`ReservePolicy.keep`: max_reserve_pages,
         or while ``busy`` the hold window's), less what the pool is over its limit by.
 
-        Unmaps sent without waiting (`_unmap_later`) are waited for unless ``busy``: an
-        engine with no request left is not in a hurry, and its pages are gone when this
-        returns (its counters and its ranks' memory agree while it idles). A busy step's
-        end gives back at most `UNMAP_BATCH_PAGES` pages beyond what a limit takes: the
-        rest goes at the next steps, so the ranks' queue (or the background thread) never
-        holds more than a batch or so of unmaps for a map to wait behind."""
+        A step's end waits for none of the unmaps it sends (`_unmap_later`, where the space
+        defers them), busy or not: they settle at the pool's next decision (a page wanted
+        again first waits for its own), `settle(wait=True)` or `close`. The step that leaves
+        the engine idle is the one that gives back most, and its outputs (the last tokens
+        of a burst) reach the client only when it returns: waiting there held them back
+        0.3-0.5 s for 456 pages of 32 MiB (reports/gpu/serving/run-12-06b, an H100). A busy
+        step's end gives back at most `UNMAP_BATCH_PAGES` pages beyond what a limit takes:
+        the rest goes at the next steps, so the ranks' queue (or the background thread)
+        never holds more than a batch or so of unmaps for a map to wait behind. An idle
+        one gives back all: no map of its own waits behind them until a request comes."""
         with self._lock:
             self._confirm(wait=False)  # a refill in flight is never unmapped here
             if keep is not None:
@@ -926,9 +934,7 @@ class PagePool:
                 keep = reserve.keep(len(self.in_use))
                 if busy:  # one batch a step: a refill waited for never queues behind many
                     keep = max(keep, len(self.reserve) - UNMAP_BATCH_PAGES)
-                unmapped = self._unmap_ready(keep, limited=True, wait=not busy)
-            if not busy:
-                self._settle_unmaps(wait=True)  # and those a busy step sent before
+                unmapped = self._unmap_ready(keep, limited=True)
             return unmapped
 
     def shed(self) -> int:

@@ -468,12 +468,20 @@ class RankedDeferredMachine(RankedFaultsMachine):
         assert len(channel.queue) >= queued, "the step's end applied requests sent without waiting"
 
     @rule()
-    def an_idle_step_leaves_nothing_draining(self) -> None:
-        """An idle engine's step end waits for its unmaps: nothing stays in flight."""
+    def an_idle_step_waits_for_no_unmap(self) -> None:
+        """An idle engine's step end sends its unmaps and applies none of them either (its
+        outputs are the burst's last tokens); a snapshot of the books then settles them all."""
+        channel = self.space.channel
+        assert isinstance(channel, _Deferred)
+        queued, waited = len(channel.queue), self.pool.counters().blocking_unmaps
         self.fence.begin_step()
         self.fence.end_step()
         self.pool.collect(busy=False)
-        assert not self.pool.draining
+        assert self.pool.counters().blocking_unmaps == waited
+        assert len(channel.queue) >= queued, "the idle step's end applied requests sent without waiting"
+        self.ledger.pool_stats()
+        assert not self.pool.draining and not self.pool.pending, "a snapshot leaves nothing in flight"
+        assert self.pool.counters().blocking_unmaps == waited, "a snapshot's wait is not the scheduler's"
 
 
 TestRankedDeferred = RankedDeferredMachine.TestCase

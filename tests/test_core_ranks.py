@@ -209,9 +209,9 @@ class LaterChannel(InOrderChannel):
 
 
 def test_a_busy_step_gives_pages_back_without_waiting_for_the_ranks() -> None:
-    """A busy step's end sends its unmaps and waits for none: the pages leave the reserve and
-    are never offered again until the ranks confirmed; a page wanted again meanwhile is waited
-    for, then mapped; an idle step's end waits for what is left."""
+    """A step's end sends its unmaps and waits for none, busy or idle: the pages leave the
+    reserve and are never offered again until the ranks confirmed; a page wanted again
+    meanwhile is waited for, then mapped; a snapshot of the books waits for what is left."""
     ranks = [_rank(0), _rank(1)]
     channel = LaterChannel(ranks)
     geometry, _, _ = check_layouts([r.layout() for r in ranks])
@@ -230,15 +230,20 @@ def test_a_busy_step_gives_pages_back_without_waiting_for_the_ranks() -> None:
     assert not pool.draining and all(r.mapped == {0, 2} for r in ranks)
     assert pool.counters().blocking_unmaps == 3 and pool.counters().unmaps == 3
     pool.release([2])
-    pool.collect(busy=False)  # idle: the unmap is sent and waited for
-    assert not pool.draining and all(r.mapped == {0} for r in ranks) and pool.counters().blocking_unmaps == 4
+    pool.collect(busy=False)  # idle: the unmap is sent, and not waited for either
+    assert set(pool.draining) == {2} and all(r.mapped == {0, 2} for r in ranks)
+    assert pool.counters().blocking_unmaps == 3 and pool.counters().mapped_pages == 2
+    pool.settle(wait=True)  # a snapshot's wait (kvcached.stats()): settled, and not on the scheduler's path
+    assert not pool.draining and all(r.mapped == {0} for r in ranks)
+    assert pool.counters().blocking_unmaps == 3 and pool.counters().mapped_pages == 1
     pool.close()
     assert all(not r.mapped for r in ranks)
 
 
 def test_a_busy_step_gives_back_one_batch_and_the_next_steps_the_rest() -> None:
     """A busy engine whose hold window forgot its peak gives its excess back one batch of
-    `UNMAP_BATCH_PAGES` a step (12-05: 462 pages in one step of 266 ms); idle, all at once."""
+    `UNMAP_BATCH_PAGES` a step (12-05: 462 pages in one step of 266 ms); idle, all at once
+    (sent, in batches, and waited for by nobody: the ranks apply them in order)."""
     from kvcached.pages import UNMAP_BATCH_PAGES as BATCH
 
     geometry = plan_geometry(STRIDES, 4 * (2 * BATCH + 8), PAGE)  # 2 batches and some, in kv pages
@@ -257,7 +262,10 @@ def test_a_busy_step_gives_back_one_batch_and_the_next_steps_the_rest() -> None:
     pool.collect(busy=True)
     assert len(pool.draining) == 2 * BATCH and len(pool.reserve) == 4
     pool.collect(busy=False)
-    assert not pool.draining and not pool.reserve and all(not r.mapped for r in ranks)
+    assert len(pool.draining) == len(pages) and not pool.reserve, "every page sent"
+    assert all(r.mapped for r in ranks), "and none waited for"
+    pool.settle(wait=True)
+    assert not pool.draining and all(not r.mapped for r in ranks)
     pool.close()
 
 
