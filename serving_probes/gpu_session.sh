@@ -26,13 +26,20 @@
 # the machine was gone before the fourth call (reports/gpu/serving/run-12-06: install 56 s, the
 # first, cold native server 160 s; fg 495 --time-budget 440 ran 1 server (243 s), then fg 565
 # --time-budget 555 ran 3 and 4 servers (464 s, 523 s)). A failed start cost 121 s. Next, in order:
-#   1. the 1b run with 5 rounds again, on the tree with the decode gate fix (4137afa): three calls
+#   1. the map-rate probe (why a kv page costs the scheduler 3-7 ms against a ~0.73 ms driver floor,
+#      run-12-06b): in the install call, after install (no server, torch and the built extension
+#      only; expected well under 90 s, not yet timed on a GPU):
+#        fg 120 maprate python3 -m serving_probes.map_rate_probe --device cuda --out /tmp/gpu-out/map-rate.json
+#      then, if b or c (a thread spinning Python beside) is far above a, the same with
+#      --switch-interval-ms 0.5 --out /tmp/gpu-out/map-rate-si0.5.json (a GIL convoy shrinks with it);
+#      `--render --out reports/gpu/map-rate/map-rate.json` renders the committed report again here;
+#   2. the 1b run with 5 rounds again, on the tree with the decode gate fix (4137afa): three calls
 #      of fg 565 --time-budget 555 after the install call (5 rounds: 10 servers of ~130 s);
-#   2. the sharing run again: its bursts are streamed since, so it measures each request's time
+#   3. the sharing run again: its bursts are streamed since, so it measures each request's time
 #      to first token on both sides (how long B's burst waits for memory), three calls;
-#   3. the serving rows the default run leaves out, a model per run: --models 1b-eager, then
+#   4. the serving rows the default run leaves out, a model per run: --models 1b-eager, then
 #      1b-v1, then hybrid;
-#   4. after a cut in kvcached's scheduler time per running request, the 1b run again beside the
+#   5. after a cut in kvcached's scheduler time per running request, the 1b run again beside the
 #      `before` build of its parent commit (a before/after on one machine).
 # Parts are 44 MiB since 12-05 night (the tracked tree grew to 18 MB; 48 MiB parts no longer fit
 # one 64 MiB call with it); rebuild the bundle with `gpu_bundle build` if its parts are larger.

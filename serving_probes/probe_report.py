@@ -6,8 +6,8 @@ A committed probe report renders again from its JSON, running nothing::
 
     python -m serving_probes.probe_report reports/gpu/isolation/isolation.json
 
-(``<name>.json`` names the probe: ``isolation``, ``sharing`` or ``memory``, the device memory
-probe of ``serving_probes.gpu_memory``).
+(``<name>.json`` names the probe: ``isolation``, ``sharing``, ``memory``, the device memory
+probe of ``serving_probes.gpu_memory``, or ``map-rate``, ``serving_probes.map_rate_probe``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from conformance.reporting import Paragraph, Provenance, Report, Section, checks
 
 #: A probe's JSON name -> the module whose ``render_saved(data, environment, out_dir)`` renders it.
 PROBES = {"isolation": "serving_probes.isolation", "sharing": "serving_probes.sharing",
-          "memory": "serving_probes.gpu_memory"}
+          "memory": "serving_probes.gpu_memory", "map-rate": "serving_probes.map_rate_probe"}
 
 
 def write_probe_report(out_dir: Path, name: str, title: str, environment: Provenance, data: Mapping[str, object],
