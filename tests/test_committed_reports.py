@@ -71,7 +71,7 @@ def test_the_compatibility_table_renders_again(tmp_path: Path) -> None:
     _same_report(saved / "README.md", compat.render(compat.load_versions(saved), tmp_path))
 
 
-@pytest.mark.parametrize("name", ["isolation", "sharing", "map-rate"])
+@pytest.mark.parametrize("name", ["isolation", "sharing"])
 def test_a_gpu_probe_renders_again(tmp_path: Path, name: str) -> None:
     from serving_probes import probe_report
 
