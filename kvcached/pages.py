@@ -889,6 +889,13 @@ class PagePool:
             self._confirm(wait=True, pages=in_flight)
             return mapped
 
+    def set_step_pages(self, pages: int) -> None:
+        """The most kv pages one step of the engine can take (`ReservePolicy.step_pages`)."""
+        if not 0 <= pages <= self.space.num_kv_pages:
+            raise ConfigError(f"step_pages={pages} is outside [0, {self.space.num_kv_pages}] (the space's kv pages)")
+        with self._lock:
+            self.policies.reserve.step_pages = pages
+
     def reserve_shortfall(self) -> int:
         """Pages the reserve lacks to reach its target (refills in flight count as there)."""
         with self._lock:

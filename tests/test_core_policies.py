@@ -73,6 +73,27 @@ def test_reserve_follows_the_pace_within_the_watermarks() -> None:
         ReservePolicy(min_pages=3, max_pages=2)
 
 
+def test_a_busy_reserve_may_reach_a_full_steps_pages_and_an_idle_one_keeps_its_watermark() -> None:
+    """``step_pages``: while busy the pace may raise the reserve to a full step's pages (above
+    ``max_pages``), and a busy step's end keeps what it refills to; idle, the ceiling is
+    ``max_pages`` again. With ``step_pages=0`` (unknown) nothing changes."""
+    reserve = ReservePolicy(min_pages=1, max_pages=4, step_pages=10)
+    reserve.took(8)
+    reserve.end_step(busy=True)
+    assert (reserve.ceiling(), reserve.target(), reserve.keep(in_use=50)) == (10, 8, 8)
+    reserve.took(12)
+    reserve.end_step(busy=True)
+    assert reserve.target() == 10, "never above a full step's pages"
+    reserve.end_step(busy=False)
+    assert (reserve.ceiling(), reserve.target(), reserve.keep(in_use=50)) == (4, 4, 4), "idle: the watermark"
+    plain = ReservePolicy(min_pages=1, max_pages=4)
+    plain.took(8)
+    plain.end_step(busy=True)
+    assert (plain.ceiling(), plain.target(), plain.keep(in_use=50)) == (4, 4, 4)
+    with pytest.raises(ConfigError):
+        ReservePolicy(min_pages=1, max_pages=4, step_pages=-1)
+
+
 def test_engine_limit_answers_as_unbounded_without_a_limit() -> None:
     limit = EngineLimit()
     limit.poll(mapped=5, in_use=3)  # no limiter: nothing to ask

@@ -270,6 +270,29 @@ def test_reserve_keeps_the_pace_of_recent_steps_within_the_watermarks():
     assert pool.policies.reserve.pace == 6 and pool.policies.reserve.target() == 4, "never above the max watermark"
 
 
+@pytest.mark.parametrize("step_pages", [0, 9])
+def test_a_busy_pool_maps_a_full_steps_pages_ahead(step_pages: int) -> None:
+    """Prefill steps that each take 8 pages (a wave of long prompts): with ``step_pages`` the
+    reserve refills a full step's pages after each take, so from the second step on every
+    take is a reserve hit; with the max watermark alone (4), half of each step's pages are
+    mapped on its path. Idle, the pool keeps its watermark either way."""
+    pool, (vr,), _ = make_pool(num_pages=64, min_reserve_pages=1, max_reserve_pages=4)
+    pool.set_step_pages(step_pages)
+    hits = []
+    for step in range(4):
+        before = pool.counters().reserve_hits
+        pool.acquire(range(8 * step, 8 * step + 8))
+        hits.append(pool.counters().reserve_hits - before)
+        pool.collect(busy=True)
+    # Step 1 refills to the min (no pace yet), step 2 to the pace within the ceiling.
+    assert hits == ([0, 1, 8, 8] if step_pages else [0, 1, 4, 4])
+    pool.release(range(32))
+    pool.collect(busy=False)
+    assert vr.num_mapped == 4, "idle: the max watermark, whatever a step took"
+    with pytest.raises(ConfigError):
+        pool.set_step_pages(65)
+
+
 def test_a_busy_pool_holds_pages_it_will_want_again_and_an_idle_one_gives_them_back():
     """Holding (``hold_steps``): a page emptied as one request ends and wanted as the next one
     starts stays mapped while the engine is busy, not unmapped and mapped again; the window

@@ -381,6 +381,21 @@ def test_a_running_request_covered_by_mapped_blocks_skips_admission(rigs) -> Non
     assert faulty.ledger.backed_free == 3 and not faulty.admit_running(1)
 
 
+def test_a_full_steps_pages_follow_the_token_budget_of_full_attention_groups(rigs) -> None:
+    """`set_step_tokens`: each group's blocks for the tokens plus a boundary block, in pages
+    plus one for straddling, at most the space; 0 without full-attention groups."""
+    pool = rigs().pool
+    bpp, pages = pool.ledger.blocks_per_page, pool.page_pool.space.num_kv_pages
+    pool.set_step_tokens(BLOCK * bpp)  # no group block sizes yet: unknown
+    assert pool.page_pool.policies.reserve.step_pages == 0
+    pool.running_block_sizes = (BLOCK,)
+    pool.set_step_tokens(BLOCK * bpp)  # bpp + 1 blocks: 2 pages, and 1 for straddling
+    assert pool.page_pool.policies.reserve.step_pages == min(3, pages)
+    pool.running_block_sizes = (BLOCK, BLOCK)
+    pool.set_step_tokens(1 << 20)
+    assert pool.page_pool.policies.reserve.step_pages == pages
+
+
 def test_a_pool_full_of_cached_blocks_skips_admission_for_running_requests(rigs) -> None:
     """With every CLEAN block backed, free cached blocks (held, so mapped) serve whatever vLLM
     can take: `admit_running` says yes however few CLEAN blocks there are, the free count is

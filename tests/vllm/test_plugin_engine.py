@@ -10,6 +10,7 @@ not only on output tokens.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -65,6 +66,10 @@ CHILD = textwrap.dedent("""
     llm.llm_engine.engine_core.shutdown()
     json.dump({
         "running_block_sizes": list(getattr(pool, "running_block_sizes", ())),
+        "step_pages": pool.page_pool.policies.reserve.step_pages if fence is not None else None,
+        "step_tokens": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
+        "blocks_per_page": None if fence is None else pool.ledger.blocks_per_page,
+        "num_kv_pages": None if fence is None else pool.page_pool.space.num_kv_pages,
         "refill_threads": [during, refill_threads()],
         "deferred_refills": deferred,
         "takes": pool_stats,
@@ -157,6 +162,11 @@ def test_enabled_plugin_serves_the_same_tokens_with_native_scheduling(tiny_llama
     assert elastic["deferred_refills"] > 0 and elastic["refill_threads"] == [0, 0]
     # One full-attention group: the running-request fast path is set up with its block size.
     assert elastic["running_block_sizes"] == [attention_block_size(16)]
+    # ... and the busy reserve's ceiling with vLLM's token budget per step, in kv pages: the
+    # group's blocks for that many tokens and a boundary block, and a page for straddling.
+    blocks = math.ceil(elastic["step_tokens"] / attention_block_size(16)) + 1
+    expected = min(math.ceil(blocks / elastic["blocks_per_page"]) + 1, elastic["num_kv_pages"])
+    assert elastic["step_pages"] == expected > 0
     ((takes, hits, blocking),) = elastic["takes"].values()
     assert takes > 0 and 0 <= hits <= takes and blocking >= elastic["deferred_refills"]
 

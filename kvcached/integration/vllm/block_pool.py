@@ -241,6 +241,22 @@ class ElasticBlockPool(BlockPool):
         self._running_block_sizes = tuple(sizes)
         self._set_running_gate()
 
+    def set_step_tokens(self, tokens: int) -> None:
+        """The most tokens one step schedules (vLLM's ``max_num_batched_tokens``): while the
+        engine is busy, its page reserve may refill up to the kv pages such a step's new
+        blocks can fill (`kvcached.policies.ReservePolicy.step_pages`), each group's blocks
+        plus one for a boundary, and one page more for blocks that straddle pages. Only
+        where every group is full attention (`running_block_sizes`, set first): there a
+        step's new blocks are bounded by its tokens. Elsewhere the reserve keeps its
+        watermarks."""
+        if self.arena is None:
+            raise InvariantError("set_step_tokens needs an attached pool")
+        pages = 0
+        if self._running_block_sizes and tokens > 0:
+            blocks = sum(-(-tokens // size) + 1 for size in self._running_block_sizes)
+            pages = min(-(-blocks // self.ledger.blocks_per_page) + 1, self.page_pool.space.num_kv_pages)
+        self.page_pool.set_step_pages(pages)
+
     def _set_running_gate(self) -> None:
         sizes = self._running_block_sizes
         faults = getattr(self, "faults", None)  # the arena's, once attached

@@ -304,6 +304,7 @@ def attach(scheduler: Any) -> None:
                                f"{pool.num_gpu_blocks}: the two sides disagree on the KV geometry")
     pool.attach(space)
     pool.running_block_sizes = full_attention_block_sizes(scheduler.kv_cache_manager)
+    pool.set_step_tokens(int(scheduler.scheduler_config.max_num_batched_tokens))
 
 
 def full_attention_block_sizes(manager: Any) -> tuple[int, ...]:
