@@ -285,7 +285,8 @@ class FailingRange:
     Wraps a real backing (`kvcached._vmm.VirtualRange`, any `kvcached.pages.Range`) and
     delegates everything to it, except that `fail_call` makes the ``nth`` next call of ``op``
     (``"map"`` or ``"unmap"``) raise ``error`` before the backing is touched: the error path
-    of every caller above runs against real memory, for one backing at a time.
+    of every caller above runs against real memory, for one backing at a time. A call is a
+    whole batch (`PageSpace.map_pages` maps its kv pages in one call per backing).
     """
 
     OPS = ("map", "unmap")

@@ -2,7 +2,9 @@
 
 Real CPU ranges behind the backend fault seam (`kvcached.faults.FailingRange`): one call of
 one backing fails, everything else is the real path. Two backings per kv page, as a model
-with K and V in separate tensors has.
+with K and V in separate tensors has (three where a failure needs a backing on each side).
+A batch of kv pages is one map call per backing (`PageSpace.map_pages`), so the nth map
+call of a backing is its nth batch, not its nth page.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import pytest
 
 from kvcached.budget import LocalBudget
 from kvcached.config import KvcachedConfig
-from kvcached.errors import DriverError, PhysicalMemoryExhausted
+from kvcached.errors import DriverError, InvariantError, PhysicalMemoryExhausted
 from kvcached.faults import FailingRange
 from kvcached.fence import StepFence
 from kvcached.ledger import BlockLedger
@@ -42,14 +44,79 @@ def consistent(pool: PagePool, ranges: list[FailingRange], budget: LocalBudget) 
 @pytest.mark.parametrize("error", [DriverError("CUDA_ERROR_UNKNOWN", "CUDA_ERROR_UNKNOWN", 999),
                                    PhysicalMemoryExhausted("out of memory")])
 def test_a_failure_in_the_middle_of_a_multi_page_map_maps_nothing(error: Exception) -> None:
-    pool, ranges, budget = pool_over()
-    ranges[1].fail_call("map", 3, error)  # kv page 3 fails in the second backing
+    pool, ranges, budget = pool_over(backings=3)
+    ranges[1].fail_call("map", 1, error)  # the batch fails in the middle backing, after the first mapped it
     with pytest.raises(type(error)):
         pool.acquire([1, 2, 3])
+    assert [r.calls["map"] for r in ranges] == [1, 1, 0] and ranges[0].calls["unmap"] == 1
     assert pool.mapped == set() and pool.in_use == set()
     consistent(pool, ranges, budget)
     pool.acquire([1, 2, 3])  # the same pages map afterwards: nothing was left behind
     consistent(pool, ranges, budget)
+
+
+# ---- PageSpace.map_pages alone: one map call per backing for the whole batch ----------------
+KS = (2, 1, 2)  # VMM pages per kv page of each backing: the middle one differs
+
+
+def space_over() -> tuple[PageSpace, list[FailingRange], LocalBudget]:
+    ranges = [FailingRange(_vmm.VirtualRange("cpu", PAGES * k * PAGE, PAGE)) for k in KS]
+    budget = LocalBudget(None)
+    return PageSpace(tuple(ranges), KS, PAGES, budget), ranges, budget  # type: ignore[arg-type]
+
+
+def vmm(kv_pages: list[int], k: int) -> list[int]:
+    return [v for p in kv_pages for v in range(p * k, (p + 1) * k)]
+
+
+@pytest.mark.parametrize("error", [DriverError("CUDA_ERROR_UNKNOWN", "CUDA_ERROR_UNKNOWN", 999),
+                                   PhysicalMemoryExhausted("out of memory"), KeyboardInterrupt()])
+def test_a_batch_that_fails_in_its_middle_backing_leaves_nothing_mapped_anywhere(error: BaseException) -> None:
+    space, ranges, budget = space_over()
+    batch = [5, 1, 6]
+    ranges[1].fail_call("map", 1, error)
+    with pytest.raises(type(error)):
+        space.map_pages(batch)
+    assert [r.calls["map"] for r in ranges] == [1, 1, 0], "one call per backing for the whole batch"
+    assert [r.mapped_pages() for r in ranges] == [[], [], []] and space.still_mapped(batch) == []
+    assert budget.used == 0 == space.mapped_bytes(), "the charge is refunded whole"
+    space.map_pages(batch)  # the real path: the same batch maps, one call per backing
+    assert [r.calls["map"] for r in ranges] == [2, 2, 1]
+    assert [r.mapped_pages() for r in ranges] == [sorted(vmm(batch, k)) for k in KS]
+    assert budget.used == space.mapped_bytes() == len(batch) * sum(KS) * PAGE
+    space.unmap_pages(batch)
+    assert [r.num_mapped for r in ranges] == [0, 0, 0] and budget.used == 0
+
+
+def test_a_failed_undo_is_raised_chained_to_the_map_failure_and_the_charge_follows_the_ranges() -> None:
+    space, ranges, budget = space_over()
+    batch = [2, 3]
+    first = DriverError("CUDA_ERROR_UNKNOWN", "CUDA_ERROR_UNKNOWN", 999)
+    ranges[1].fail_call("map", 1, first)  # the batch, in the middle backing
+    ranges[0].fail_call("unmap", 1, PhysicalMemoryExhausted("out of memory"))  # the undo, in the first
+    with pytest.raises(PhysicalMemoryExhausted) as raised:
+        space.map_pages(batch)
+    assert raised.value.__context__ is first
+    assert [r.mapped_pages() for r in ranges] == [vmm(batch, KS[0]), [], []]
+    assert space.still_mapped(batch) == batch
+    assert budget.used == space.mapped_bytes() == len(batch) * KS[0] * PAGE, "what is left stays charged"
+    space.unmap_pages(batch, strict=False)  # the retry
+    assert [r.num_mapped for r in ranges] == [0, 0, 0] and budget.used == 0
+    space.map_pages(batch)  # the real path
+    assert [r.mapped_pages() for r in ranges] == [vmm(batch, k) for k in KS]
+    assert budget.used == space.mapped_bytes()
+
+
+def test_a_batch_a_backing_refuses_unmaps_only_what_this_call_mapped() -> None:
+    """The middle backing already maps a page of the batch (left over, uncharged): its real
+    map refuses the whole list before mapping anything (InvariantError). The undo unmaps the
+    batch in the first backing, and leaves the middle backing's page alone: not this call's."""
+    space, ranges, budget = space_over()
+    ranges[1].inner.map([4])
+    with pytest.raises(InvariantError, match="already mapped"):
+        space.map_pages([1, 4])
+    assert [r.mapped_pages() for r in ranges] == [[], [4], []] and budget.used == 0
+    assert [r.calls["map"] for r in ranges] == [1, 1, 0] and ranges[0].calls["unmap"] == 1
 
 
 def test_an_unmap_failure_in_one_backing_quarantines_the_page_until_a_retry_succeeds() -> None:
@@ -83,7 +150,7 @@ def test_the_ledger_never_chooses_a_block_on_a_quarantined_page() -> None:
 
 def test_a_driver_error_while_mapping_ahead_is_a_shortfall_not_an_exception() -> None:
     pool, ranges, budget = pool_over()
-    for nth in (2, 4):  # page 2 in the batch, then page 2 alone
+    for nth in (1, 3):  # the batch, then page 2 alone (page 1 alone was call 2)
         ranges[0].fail_call("map", nth, DriverError("CUDA_ERROR_ILLEGAL_STATE", "CUDA_ERROR_ILLEGAL_STATE", 401))
     assert pool.prefetch([1, 2, 3]) == 1  # the batch fails, then page 1 alone maps, page 2 fails again
     assert pool.counters().map_failures == 2
@@ -94,7 +161,7 @@ def test_a_map_whose_undo_fails_too_quarantines_what_is_left_mapped() -> None:
     """The undo of a failed batch fails in another backing: the page it left mapped there
     must never look free (it would be mapped again: 'page is already mapped' forever after)."""
     pool, ranges, budget = pool_over()
-    ranges[1].fail_call("map", 2, DriverError("CUDA_ERROR_UNKNOWN", "CUDA_ERROR_UNKNOWN", 999))  # page 2
+    ranges[1].fail_call("map", 1, DriverError("CUDA_ERROR_UNKNOWN", "CUDA_ERROR_UNKNOWN", 999))  # the batch
     ranges[0].fail_call("unmap", 1, DriverError("CUDA_ERROR_UNKNOWN", "CUDA_ERROR_UNKNOWN", 999))  # its undo
     with pytest.raises(DriverError):
         pool.acquire([1, 2])
@@ -148,11 +215,11 @@ def test_a_map_whose_undo_fails_is_not_retried_as_exhaustion() -> None:
     pool = PagePool(pool.space, KvcachedConfig(page_size=PAGE, min_reserve_pages=0, max_reserve_pages=0,
                                                capacity_ttl_s=0.0, map_retries=2, retry_backoff_s=0.0),
                     fence=StepFence())
-    ranges[1].fail_call("map", 2, PhysicalMemoryExhausted("out of memory"))  # page 2
+    ranges[1].fail_call("map", 1, PhysicalMemoryExhausted("out of memory"))  # the batch
     ranges[0].fail_call("unmap", 1, PhysicalMemoryExhausted("out of memory"))  # its undo
     with pytest.raises(DriverError, match="quarantined"):
         pool.acquire([1, 2], wait=True)
-    assert pool.quarantined == {1, 2} and pool.in_use == set() and ranges[0].calls["map"] == 2
+    assert pool.quarantined == {1, 2} and pool.in_use == set() and ranges[0].calls["map"] == 1
     pool.collect()
     pool.acquire([1, 2], wait=True)
     consistent(pool, ranges, budget)
