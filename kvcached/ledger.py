@@ -432,8 +432,10 @@ class BlockLedger:
         deficit = n - backed
         # The reserve's refill rides in the same batch: the takes of this admission would
         # otherwise send it right behind, and the next admission of the step would wait for
-        # that round trip (measured: most of the scheduler's waits in `vllm serve`).
-        extra = self.pool.reserve_shortfall()
+        # that round trip (measured: most of the scheduler's waits in `vllm serve`). Only
+        # within the max watermark: this batch is on the step's path, and a busy reserve's
+        # full step of pages is for the refill the takes send ahead.
+        extra = self.pool.reserve_shortfall(inline=True)
         for page in self._unmapped_pages():
             if deficit <= 0:
                 if extra <= 0:

@@ -906,10 +906,12 @@ class PagePool:
         with self._lock:
             self.policies.reserve.step_pages = pages
 
-    def reserve_shortfall(self) -> int:
-        """Pages the reserve lacks to reach its target (refills in flight count as there)."""
+    def reserve_shortfall(self, *, inline: bool = False) -> int:
+        """Pages the reserve lacks to reach its target (refills in flight count as there);
+        ``inline``: its target within the max watermark (`ReservePolicy.target`)."""
         with self._lock:
-            return min(self._room(), max(0, self.policies.reserve.target() - len(self.reserve) - len(self.pending)))
+            target = self.policies.reserve.target(inline=inline)
+            return min(self._room(), max(0, target - len(self.reserve) - len(self.pending)))
 
     def release(self, pages: Iterable[int]) -> None:
         """Pages with no held block go back to the reserve, ticketed by the fence."""

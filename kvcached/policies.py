@@ -120,9 +120,11 @@ class ReservePolicy:
         """The most pages the reserve refills to: ``max_pages``, or busy, ``step_pages`` if more."""
         return max(self.max_pages, self.step_pages) if self.busy else self.max_pages
 
-    def target(self) -> int:
-        """Pages the reserve refills to: the pace, within ``min_pages`` and the ceiling."""
-        return min(self.ceiling(), max(self.min_pages, self.pace))
+    def target(self, *, inline: bool = False) -> int:
+        """Pages the reserve refills to: the pace, within ``min_pages`` and the ceiling.
+        ``inline``: within ``max_pages`` instead, what a map on the caller's path carries
+        along (a full step's pages are for refills sent ahead, off that path)."""
+        return min(self.max_pages if inline else self.ceiling(), max(self.min_pages, self.pace))
 
 
 @dataclass(slots=True)

@@ -81,6 +81,7 @@ def test_a_busy_reserve_may_reach_a_full_steps_pages_and_an_idle_one_keeps_its_w
     reserve.took(8)
     reserve.end_step(busy=True)
     assert (reserve.ceiling(), reserve.target(), reserve.keep(in_use=50)) == (10, 8, 8)
+    assert reserve.target(inline=True) == 4, "a map on the step's path carries the watermark's share only"
     reserve.took(12)
     reserve.end_step(busy=True)
     assert reserve.target() == 10, "never above a full step's pages"

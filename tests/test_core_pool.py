@@ -364,3 +364,21 @@ def test_page_size_aliases_must_agree() -> None:
     agreed = KvcachedConfig.resolve(env={"KVCACHED_PAGE_SIZE": str(4 << 20), "KVCACHED_PAGE_SIZE_MB": "4"})
     assert agreed.page_size == 4 << 20
     assert KvcachedConfig.resolve(env={"KVCACHED_PAGE_SIZE_MB": "4"}).page_size == 4 << 20
+
+
+@pytest.mark.parametrize("step_pages", [0, 9])
+def test_an_admission_on_the_steps_path_carries_only_the_watermarks_refill(step_pages: int) -> None:
+    """A map an admission waits for carries the reserve's refill within the max watermark
+    (4), however far a busy reserve's ceiling (a full step's pages) lets the pace go: the
+    rest is the refill its takes send ahead."""
+    from kvcached.ledger import BlockLedger
+
+    pool, _, _ = make_pool(num_pages=64, min_reserve_pages=1, max_reserve_pages=4)
+    pool.set_step_pages(step_pages)
+    ledger = BlockLedger(128, 2, pool)
+    ledger.allocate(16)  # 8 pages in one step: the pace
+    pool.collect(busy=True)
+    assert len(pool.reserve) == 1 and ledger.backed_free == 2 and pool.policies.reserve.target() == (8 if step_pages else 4)
+    maps = pool.counters().maps
+    ledger.ensure_backed(ledger.backed_free + 4)  # 2 pages short
+    assert pool.counters().maps - maps == 2 + 3, "the 2 pages and the watermark's refill (4, 1 there)"
