@@ -21,20 +21,23 @@
 # H200 timings (12-04): staging 10 s, install 52-57 s; the V1 matrix with 8 jobs: hybrids 406 s,
 # llama and qwen3 244 s; nemotron_h alone 373 s; V2 dense mp rows 154 s; the GPU engine tests
 # 374 s; bench_serving 1b: a server ~85 s to start, a phase ~33 s (7 phase runs in 510 s).
-# The next session's calls, in order of need (issue 30). Done 12-06 early (an H200, 1,463 s of the
-# lease): the 1b run with 5 rounds on tree 39686d4 (the cap waiting for idle), cut at 4 rounds when
-# the machine was gone before the fourth call (reports/gpu/serving/run-12-06: install 56 s, the
-# first, cold native server 160 s; fg 495 --time-budget 440 ran 1 server (243 s), then fg 565
-# --time-budget 555 ran 3 and 4 servers (464 s, 523 s)). A failed start cost 121 s. Next, in order:
-#   1. the map-rate probe (why a kv page costs the scheduler 3-7 ms against a ~0.73 ms driver floor,
-#      run-12-06b): in the install call, after install (no server, torch and the built extension
-#      only; expected well under 90 s, not yet timed on a GPU):
+# The next session's calls, in order of need (issue 30). Done 12-06 morning (an H100 although an
+# H200 was asked for, 1,613 s of the lease): the 1b run with 5 rounds on tree c8a11ba (the gate
+# fix and slots), cut at 3 rounds and round 4's kvcached server (reports/gpu/serving/run-12-06b:
+# install 55 s, the cold native server 243 s; fg 495 --time-budget 440 ran 1 server (286 s), then
+# fg 565 --time-budget 555 ran 2 servers (437 s, 379 s), fg 490 --time-budget 480 ran 2 (349 s);
+# this host's servers took 130-216 s each). Next, in order:
+#   1. the map-rate probe (why a kv page costs the scheduler ~2.9 ms on the path against a ~0.73 ms
+#      driver floor, run-12-06b): in the install call, after install (no server, torch and the
+#      built extension only; expected well under 90 s, not yet timed on a GPU):
 #        fg 120 maprate python3 -m serving_probes.map_rate_probe --device cuda --out /tmp/gpu-out/map-rate.json
 #      then, if b or c (a thread spinning Python beside) is far above a, the same with
 #      --switch-interval-ms 0.5 --out /tmp/gpu-out/map-rate-si0.5.json (a GIL convoy shrinks with it);
 #      `--render --out reports/gpu/map-rate/map-rate.json` renders the committed report again here;
-#   2. the 1b run with 5 rounds again, on the tree with the decode gate fix (4137afa): three calls
-#      of fg 565 --time-budget 555 after the install call (5 rounds: 10 servers of ~130 s);
+#   2. the 1b run with 5 rounds on the tree with the idle step's unmaps off its path (4716281), the
+#      busy reserve of a full step's pages (e5f818d, 9e5f55b) and one map call per range (c6dc208):
+#      fg 565 --time-budget 555 calls after the install call (10 servers of 130-216 s: 3-4 calls;
+#      run-12-06b is the "before" on an H100, run-12-06 on an H200);
 #   3. the sharing run again: its bursts are streamed since, so it measures each request's time
 #      to first token on both sides (how long B's burst waits for memory), three calls;
 #   4. the serving rows the default run leaves out, a model per run: --models 1b-eager, then
