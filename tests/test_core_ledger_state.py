@@ -74,6 +74,7 @@ class ElasticCoreMachine(_SteppedMachine):
         self.fence = StepFence()
         self.pool = PagePool(PageSpace((self.vrange,), geometry.vmm_pages, geometry.num_kv_pages, self.budget),
                              self.config, fence=self.fence, faults=self.faults)
+        self.pool.set_step_pages(4)  # a busy reserve may refill past max_reserve_pages (2)
         self.ledger = BlockLedger(NUM_BLOCKS, geometry.blocks_per_page, self.pool)
         self.held: dict[int, int] = {}  # block -> signature byte
         self.next_sig = 1
@@ -238,6 +239,7 @@ class RankedFaultsMachine(_SteppedMachine):
                                 map_retries=1, retry_backoff_s=0.0, hold_steps=3)
         self.fence = StepFence()
         self.pool = PagePool(self.space, config, fence=self.fence)
+        self.pool.set_step_pages(3)  # a busy reserve may refill past max_reserve_pages (2)
         self.ledger = BlockLedger(R_BLOCKS, geometry.blocks_per_page, self.pool)
         self.held: set[int] = set()
         self.in_flight = 0
