@@ -19,8 +19,9 @@ as a retry that skips what is gone), name the pages a failed map left behind
   invariant: ``mapped == in_use | reserve | quarantined`` (disjoint), and pages of a
   refill in flight are ``pending`` (none of those, never handed out, never unmapped);
 * the reserve is refilled after a take up to `ReservePolicy.target` (the pace within the
-  watermarks) and trimmed down to ``max_reserve_pages`` by `collect`, but only pages whose
-  fence ticket has passed are unmapped (a step still in flight may touch them);
+  watermarks; while busy, up to a full step's pages) and trimmed by `collect` to what
+  `ReservePolicy.keep` says, but only pages whose fence ticket has passed are unmapped (a
+  step still in flight may touch them);
 * a batch map is all-or-nothing: a failure in the middle unmaps what the batch mapped;
   `RetryPolicy` retries an exhausted map of a caller that waits;
 * the physical-capacity query is cached (`CapacityCache`) and invalidated by this pool's
@@ -926,7 +927,8 @@ class PagePool:
     def collect(self, keep: int | None = None, *, busy: bool = False) -> int:
         """Unmap reserve pages above ``keep`` whose ticket passed. ``keep`` None: the end of a
         step, keeping what the reserve policy says (`ReservePolicy.keep`: max_reserve_pages,
-        or while ``busy`` the hold window's), less what the pool is over its limit by.
+        or while ``busy`` the reserve's target or the hold window's), less what the pool is
+        over its limit by.
 
         A step's end waits for none of the unmaps it sends (`_unmap_later`, where the space
         defers them), busy or not: they settle at the pool's next decision (a page wanted
