@@ -181,10 +181,11 @@ class Spinner:
         self._thread = threading.Thread(target=self._spin, name="map-rate-spinner", daemon=True)
 
     def _spin(self) -> None:
-        self._running.set()
         n = 0
         while not self.stop:
             n += 1
+            if n == 1:  # spinning, not merely started: the OS may not run it again before a short timing ends
+                self._running.set()
         self.loops = n
 
     def __enter__(self) -> Self:
@@ -195,6 +196,8 @@ class Spinner:
     def __exit__(self, *exc: object) -> None:
         self.stop = True
         self._thread.join(JOIN_S)
+        if self._thread.is_alive():
+            raise RuntimeError(f"the spinning thread did not stop within {JOIN_S:.0f} s")
 
 
 class Mapper:
@@ -393,9 +396,11 @@ def in_background(rig: Rig, pages: list[int], mode: str, repeats: int) -> Row:
     """c: a thread of its own times the batches while this thread spins pure Python."""
     out: dict[str, Any] = {}
     done = [False]
+    spinning = threading.Event()  # the timing starts once this thread spins, not before
 
     def work() -> None:
         try:
+            spinning.wait()
             out["row"] = time_batches(rig, pages, mode, repeats, "c", "background")
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread
             out["error"] = exc
@@ -407,7 +412,11 @@ def in_background(rig: Rig, pages: list[int], mode: str, repeats: int) -> Row:
     loops = 0
     while not done[0]:
         loops += 1
+        if loops == 1:
+            spinning.set()
     thread.join(JOIN_S)
+    if thread.is_alive():
+        raise RuntimeError(f"the background mapping thread did not stop within {JOIN_S:.0f} s")
     if "error" in out:
         raise out["error"]
     row: Row = out["row"]
