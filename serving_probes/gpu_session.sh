@@ -38,6 +38,10 @@
 #      busy reserve of a full step's pages (e5f818d, 9e5f55b) and one map call per range (c6dc208):
 #      fg 565 --time-budget 555 calls after the install call (10 servers of 130-216 s: 3-4 calls;
 #      run-12-06b is the "before" on an H100, run-12-06 on an H200);
+#      If the lease ends first (an H100 host fits ~7 servers after the install and the probe), the
+#      next session can finish the same run only on the same tree: commit the partial report, then
+#      there `mkdir -p /tmp/gpu-out/serving && cp reports/gpu/serving/RUN/serving.partial.json
+#      /tmp/gpu-out/serving/` before `--resume` (the lent host has no checkout: nothing checks the tree);
 #   3. the sharing run again: its bursts are streamed since, so it measures each request's time
 #      to first token on both sides (how long B's burst waits for memory), three calls;
 #   4. the serving rows the default run leaves out, a model per run: --models 1b-eager, then
