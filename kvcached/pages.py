@@ -267,12 +267,8 @@ class PageSpace:
                     f"{self.charger.available()} bytes available")
         mapped = 0  # the ranges that mapped the whole batch: ranges[:mapped]
         try:
-            batches: dict[int, list[int]] = {}  # VMM pages of the batch, per pages-per-kv-page
             for r, vrange in enumerate(self.ranges):
-                k = self.vmm_pages_per_kv_page[r]
-                if (vmm := batches.get(k)) is None:
-                    vmm = batches[k] = [v for p in kv_pages for v in range(p * k, (p + 1) * k)]
-                vrange.map(vmm)
+                vrange.map([v for page in kv_pages for v in self.vmm_pages(r, page)])
                 mapped += 1
         except BaseException as exc:
             # The failing range mapped nothing, unless its own rollback failed (an unmap at
