@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from conformance.reporting import Bullets, Paragraph, Provenance, Section, provenance, table
+from kvcached.config import parse_bytes
 from kvcached.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -667,12 +668,17 @@ def _driver_version() -> str:
     return f"{version.value // 1000}.{version.value % 1000 // 10}"
 
 
-def parse_size(text: str) -> int:
-    """``"2MiB"``, ``"1GiB"``, ``"64KiB"`` or a plain byte count."""
-    m = re.fullmatch(r"\s*(\d+)\s*(KiB|MiB|GiB)?\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected bytes, or a count with KiB, MiB or GiB")
-    return int(m.group(1)) * {None: 1, "KiB": KiB, "MiB": MiB, "GiB": GiB}[m.group(2)]
+def byte_size(flag: str) -> Callable[[str], int]:
+    """An argparse type for ``flag``: kvcached's own size grammar (`kvcached.config.parse_bytes`:
+    ``2MiB``, ``1G``, ``1048576``), its errors as argparse's."""
+
+    def parse(text: str) -> int:
+        try:
+            return parse_bytes(flag, text)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -683,8 +689,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render", action="store_true", help="render the report of a saved --out again, running nothing")
     ap.add_argument("--device", default=d.device, help="cpu, cuda or cuda:N (default %(default)s)")
     ap.add_argument("--ranges", type=int, default=d.ranges, help="ranges, one per layer (default %(default)s)")
-    ap.add_argument("--range-bytes", type=parse_size, default=d.range_bytes, help="each range's size (default 1GiB)")
-    ap.add_argument("--page-bytes", type=parse_size, default=d.page_bytes, help="the VMM page (default 2MiB)")
+    ap.add_argument("--range-bytes", type=byte_size("--range-bytes"), default=d.range_bytes, help="each range's size (default 1GiB)")
+    ap.add_argument("--page-bytes", type=byte_size("--page-bytes"), default=d.page_bytes, help="the VMM page (default 2MiB)")
     ap.add_argument("--vmm-pages-per-kv-page", type=int, default=d.vmm_pages_per_kv_page,
                     help="VMM pages of each range in a kv page (default %(default)s)")
     ap.add_argument("--batch", type=int, default=d.batch, help="kv pages per timed map (default %(default)s)")

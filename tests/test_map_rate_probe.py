@@ -68,7 +68,8 @@ def test_the_report_tables_every_row_and_renders_again(saved: Path, tmp_path: Pa
     (["--device", "gpu"], "expected cpu, cuda or cuda:N"),
     (["--range-bytes", "3MiB"], "not a multiple of --page-bytes"),
     (["--range-bytes", "4MiB", "--batch", "2"], "the probe needs 2 x --batch = 4"),
-    (["--page-bytes", "2Mb"], "expected bytes, or a count with KiB, MiB or GiB"),
+    (["--page-bytes", "2Mbit"], "--page-bytes='2Mbit' is not a byte size"),
+    (["--range-bytes", "0.5"], "--range-bytes='0.5' is not a whole number of bytes"),
     (["--page-bytes", "3000", "--range-bytes", "48000", "--batch", "1"], "not a multiple of the OS page size"),
 ])
 def test_a_bad_argument_is_a_usage_error_naming_it(args: list[str], says: str, tmp_path: Path,
