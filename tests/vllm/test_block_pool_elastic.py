@@ -383,17 +383,37 @@ def test_a_running_request_covered_by_mapped_blocks_skips_admission(rigs) -> Non
 
 def test_a_full_steps_pages_follow_the_token_budget_of_full_attention_groups(rigs) -> None:
     """`set_step_tokens`: each group's blocks for the tokens plus a boundary block, in pages
-    plus one for straddling, at most the space; 0 without full-attention groups."""
+    plus one for straddling, at most the space; 0 without full-attention groups. The pages
+    follow both settings, in either order."""
     pool = rigs().pool
     bpp, pages = pool.ledger.blocks_per_page, pool.page_pool.space.num_kv_pages
     pool.set_step_tokens(BLOCK * bpp)  # no group block sizes yet: unknown
     assert pool.page_pool.policies.reserve.step_pages == 0
-    pool.running_block_sizes = (BLOCK,)
-    pool.set_step_tokens(BLOCK * bpp)  # bpp + 1 blocks: 2 pages, and 1 for straddling
+    pool.running_block_sizes = (BLOCK,)  # bpp + 1 blocks: 2 pages, and 1 for straddling
     assert pool.page_pool.policies.reserve.step_pages == min(3, pages)
     pool.running_block_sizes = (BLOCK, BLOCK)
     pool.set_step_tokens(1 << 20)
     assert pool.page_pool.policies.reserve.step_pages == pages
+    pool.running_block_sizes = ()  # a group that is not full attention: the watermarks only
+    assert pool.page_pool.policies.reserve.step_pages == 0
+    with pytest.raises(ValueError, match="step tokens must be >= 0, got -1"):
+        pool.set_step_tokens(-1)
+
+
+def test_step_tokens_set_before_attach_apply_at_attach() -> None:
+    """As the engine seam may order it: sizes and tokens on a detached pool, pages at attach."""
+    geometry = plan_geometry([STRIDE], 16, PAGE)
+    vrange = _vmm.VirtualRange("cpu", geometry.reserved_bytes[0], PAGE)
+    pool = ElasticBlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=BLOCK,
+                            config=KvcachedConfig(page_size=PAGE, max_cached_blocks=-1), name="detached")
+    try:
+        pool.set_step_tokens(BLOCK * geometry.blocks_per_page)
+        pool.running_block_sizes = (BLOCK,)
+        pool.attach(KvSpace(geometry, (vrange,)))
+        assert pool.page_pool.policies.reserve.step_pages == 3  # 5 blocks of 4 a page: 2, +1 for straddling
+    finally:
+        pool.close()
+        vrange.close()
 
 
 def test_a_pool_full_of_cached_blocks_skips_admission_for_running_requests(rigs) -> None:

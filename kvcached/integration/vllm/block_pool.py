@@ -141,7 +141,7 @@ class ElasticBlockPool(BlockPool):
     __slots__ = (
         "_admission", "_aliases", "_cached", "_cap", "_closed_detached", "_config", "_demand",
         "_faults", "_fence", "_finalizer", "_logical_view", "_name", "_running_block_sizes",
-        "_stranded", "arena", "config", "faults", "fence", "ledger", "page_pool", "running_gate",
+        "_step_tokens", "_stranded", "arena", "config", "faults", "fence", "ledger", "page_pool", "running_gate",
     )
 
     config: KvcachedConfig
@@ -180,6 +180,7 @@ class ElasticBlockPool(BlockPool):
         self._cap = -1  # the cap in blocks (`KvcachedConfig.cached_cap`), set at attach
         self._admission: _Admission | None = None
         self._running_block_sizes: tuple[int, ...] = ()
+        self._step_tokens = 0  # `set_step_tokens`; 0: unknown
         #: ``(groups, smallest block size)`` while `admit_running` may say yes, else None.
         self.running_gate: tuple[int, int] | None = None
         self._logical_view = False
@@ -219,6 +220,7 @@ class ElasticBlockPool(BlockPool):
         self.page_pool = arena.pool
         self.ledger = arena.ledger
         self._set_running_gate()
+        self._set_step_pages()
         # Runs at most once: from `close`, or when a pool that was never closed is collected.
         # It holds the arena, never the pool (a reference to the pool would keep it alive).
         # Not at interpreter exit, where the process returns its memory anyway.
@@ -240,18 +242,27 @@ class ElasticBlockPool(BlockPool):
     def running_block_sizes(self, sizes: tuple[int, ...]) -> None:
         self._running_block_sizes = tuple(sizes)
         self._set_running_gate()
+        self._set_step_pages()
 
     def set_step_tokens(self, tokens: int) -> None:
-        """The most tokens one step schedules (vLLM's ``max_num_batched_tokens``): while the
-        engine is busy, its page reserve may refill up to the kv pages such a step's new
-        blocks can fill (`kvcached.policies.ReservePolicy.step_pages`), each group's blocks
-        plus one for a boundary, and one page more for blocks that straddle pages. Only
-        where every group is full attention (`running_block_sizes`, set first): there a
-        step's new blocks are bounded by its tokens. Elsewhere the reserve keeps its
-        watermarks."""
+        """The most tokens one step schedules (vLLM's ``max_num_batched_tokens``; 0: unknown):
+        while the engine is busy, its page reserve may refill up to the kv pages such a step's
+        new blocks can fill (`kvcached.policies.ReservePolicy.step_pages`), each group's
+        blocks plus one for a boundary, and one page more for blocks that straddle pages.
+        Only where every group is full attention (`running_block_sizes`): there a step's new
+        blocks are bounded by its tokens. Elsewhere the reserve keeps its watermarks.
+
+        The pages follow this and `running_block_sizes` whichever is set first, before the
+        pool is attached or after."""
+        if tokens < 0:
+            raise ValueError(f"step tokens must be >= 0, got {tokens}")
+        self._step_tokens = tokens
+        self._set_step_pages()
+
+    def _set_step_pages(self) -> None:
         if self.arena is None:
-            raise InvariantError("set_step_tokens needs an attached pool")
-        pages = 0
+            return  # `attach` sets them
+        pages, tokens = 0, self._step_tokens
         if self._running_block_sizes and tokens > 0:
             blocks = sum(-(-tokens // size) + 1 for size in self._running_block_sizes)
             pages = min(-(-blocks // self.ledger.blocks_per_page) + 1, self.page_pool.space.num_kv_pages)
