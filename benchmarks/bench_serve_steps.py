@@ -38,7 +38,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_serving import prepare_model, run_client
+from bench_client import BenchClient
+from bench_serving import prepare_model, run_phase
 
 from conformance.reporting import (
     RULE,
@@ -87,13 +88,14 @@ class Steps:
         return statistics.median(self.step_s)
 
 
-def _client_phase(port: int, tok_dir: Path, load: Load, out: Path, tag: str) -> tuple[float, float]:
+def _client_phase(client: BenchClient, port: int, tok_dir: Path, load: Load, out: Path,
+                  tag: str) -> tuple[float, float]:
     """Run one client phase; returns its wall-clock window."""
     from bench_serving import PhaseConfig
 
     phase = PhaseConfig(load.name, float("inf"), load.concurrency, load.num_prompts, load.seed)
     t0 = time.time()
-    run_client(port, tok_dir, phase, out, tag, lengths=(INPUT_LEN, OUTPUT_LEN))
+    run_phase(client, port, tok_dir, phase, out, tag, lengths=(INPUT_LEN, OUTPUT_LEN))
     return t0, time.time()
 
 
@@ -115,10 +117,12 @@ def serve_once(side: str, blocks: int, loads: list[Load], tok_dir: Path, out: Pa
     spec = ServerSpec(side, side == "kvcached", extra_env=env,
                       extra_args=("--num-gpu-blocks-override", str(blocks), "--max-num-seqs", str(largest)))
     windows = {}
-    with serving(spec, tok_dir, out / f"{side}-{blocks}-r{rnd}", max_model_len=256, start_timeout_s=300.0) as server:
+    with BenchClient(out / f"{side}-{blocks}-r{rnd}.client.log") as client, \
+            serving(spec, tok_dir, out / f"{side}-{blocks}-r{rnd}", max_model_len=256, start_timeout_s=300.0) as server:
         check_active(f"{blocks} blocks", side, server.log())
         for load in loads:
-            windows[load] = _client_phase(server.port, tok_dir, load, out, f"{side}-{blocks}-r{rnd}-{load.name}")
+            windows[load] = _client_phase(client, server.port, tok_dir, load, out,
+                                          f"{side}-{blocks}-r{rnd}-{load.name}")
     rows = read_rows(step_log) if step_log.is_file() else []
     found = []
     for load, (t0, t1) in windows.items():

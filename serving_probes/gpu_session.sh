@@ -34,7 +34,10 @@
 #      then, if b or c (a thread spinning Python beside) is far above a, the same with
 #      --switch-interval-ms 0.5 --out /tmp/gpu-out/map-rate-si0.5.json (a GIL convoy shrinks with it);
 #      `--render --out reports/gpu/map-rate/map-rate.json` renders the committed report again here;
-#   2. the 1b run with 5 rounds on the tree with the idle step's unmaps off its path (4716281), the
+#   2. (each phase's client no longer imports vLLM: one client child per server, started before it,
+#      `benchmarks/bench_client.py`; run-12-06b lost 20-24 s to that import before every phase, so a
+#      server should take ~60 s less than the 130-216 s below)
+#      the 1b run with 5 rounds on the tree with the idle step's unmaps off its path (4716281), the
 #      busy reserve of a full step's pages (e5f818d, 9e5f55b) and one map call per range (c6dc208):
 #      fg 565 --time-budget 555 calls after the install call (10 servers of 130-216 s: 3-4 calls;
 #      run-12-06b is the "before" on an H100, run-12-06 on an H200);

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from bench_client import BenchClient
+from bench_serving import PhaseConfig, run_phase
 
 from conformance.cases import ARCHETYPES
 from conformance.models import ensure_model
@@ -34,6 +40,10 @@ from kvcached.stats import parse_shutdown_lines
 pytestmark = [pytest.mark.multiprocess]
 
 MAX_TOKENS = 12
+#: Two phases of the serving benchmark, through one client: other loads and prompt counts, so each
+#: result is its own.
+BENCH_PHASES = (PhaseConfig("saturation", float("inf"), 4, 8, 101), PhaseConfig("rate", 20.0, None, 12, 102))
+BENCH_LENGTHS = (16, 8)
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +54,21 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, obje
     out: dict[str, dict[str, object]] = {}
     sides = [ServerSpec("kvcached", True, extra_env=(("KVCACHED_PAGE_SIZE", str(64 << 10)),)),
              ServerSpec("native", False), ServerSpec("native-control", False)]
-    for spec in sides:
-        with serving(spec, model, work / "logs") as server:
-            alone = one_at_a_time(server, prompts, MAX_TOKENS)
-            together = all_at_once(server, prompts, MAX_TOKENS)
-            streamed = [server.complete_timed(p, MAX_TOKENS) for p in prompts[:4]]
-            out[spec.label] = {"alone": alone, "together": together, "streamed": streamed}
-        out[spec.label]["log"] = server.log()
-        out[spec.label]["exit"] = server.proc.returncode
+    # The serving benchmark's client, started before the first server (its vLLM import overlaps
+    # the start, as in the benchmark), runs its phases against the last one.
+    with BenchClient(work / "bench" / "client.log") as client:
+        for spec in sides:
+            with serving(spec, model, work / "logs") as server:
+                alone = one_at_a_time(server, prompts, MAX_TOKENS)
+                together = all_at_once(server, prompts, MAX_TOKENS)
+                streamed = [server.complete_timed(p, MAX_TOKENS) for p in prompts[:4]]
+                out[spec.label] = {"alone": alone, "together": together, "streamed": streamed}
+                if spec is sides[-1]:
+                    out[spec.label]["bench"] = [run_phase(client, server.port, model, phase, work / "bench",
+                                                          phase.name, BENCH_LENGTHS) for phase in BENCH_PHASES]
+            out[spec.label]["log"] = server.log()
+            out[spec.label]["exit"] = server.proc.returncode
+    out["native-control"]["bench_exit"] = client.proc.returncode
     return out
 
 
@@ -98,6 +115,18 @@ def test_concurrent_requests_stay_within_the_native_noise_floor(served: dict[str
     kvc = compare_tokens(served["kvcached"]["together"], served["native"]["together"])  # type: ignore[arg-type]
     floor = compare_tokens(served["native-control"]["together"], served["native"]["together"])  # type: ignore[arg-type]
     assert len(kvc.mismatches) <= len(floor.mismatches), (kvc.mismatches, floor.mismatches)
+
+
+def test_the_benchmark_client_runs_each_phase_in_one_process(served: dict[str, dict[str, object]]) -> None:
+    """`bench_client.BenchClient` against a real server: vLLM's `vllm bench serve` ran each phase
+    whole (its own prompts and load, every request completed: `run_phase` checks) in the one
+    child, started before the servers, which ended cleanly when its block closed."""
+    control = served["native-control"]
+    results: list[dict[str, object]] = control["bench"]  # type: ignore[assignment]
+    assert [r["completed"] for r in results] == [p.num_prompts for p in BENCH_PHASES]
+    assert [r["max_concurrency"] for r in results] == [4, None]
+    assert [r["total_input_tokens"] for r in results] == [p.num_prompts * BENCH_LENGTHS[0] for p in BENCH_PHASES]
+    assert control["bench_exit"] == 0
 
 
 def test_servers_stop_on_sigterm(served: dict[str, dict[str, object]]) -> None:
