@@ -44,6 +44,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,8 +94,10 @@ class Result:
 
 
 # ---- in the child: two schedulers, alternating ---------------------------------------------
-def _scheduler(config: Config, kvcached: bool) -> Any:
-    """A scheduler over ``config.blocks`` blocks of a 2-KiB-per-block full-attention layer."""
+def _scheduler(config: Config, kvcached: bool, max_model_len: int = 1024,
+               attach_space: Callable[[Any, int, Config], None] | None = None) -> Any:
+    """A scheduler over ``config.blocks`` blocks of a 2-KiB-per-block full-attention layer;
+    kvcached's space from ``attach_space`` (default `_attach_space`: a local CPU range)."""
     import torch
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -106,8 +109,8 @@ def _scheduler(config: Config, kvcached: bool) -> Any:
     from conformance.models import ensure_model
 
     model = ModelConfig(model=str(ensure_model(ARCHETYPES["llama"].model)), skip_tokenizer_init=True,
-                        dtype="float32", max_model_len=1024, seed=0)
-    sched = SchedulerConfig(max_num_seqs=config.concurrency, max_num_batched_tokens=8192, max_model_len=1024,
+                        dtype="float32", max_model_len=max_model_len, seed=0)
+    sched = SchedulerConfig(max_num_seqs=config.concurrency, max_num_batched_tokens=8192, max_model_len=max_model_len,
                             is_encoder_decoder=False, async_scheduling=config.scheduler == "async")
     vllm_config = VllmConfig(model_config=model, scheduler_config=sched, device_config=DeviceConfig("cpu"),
                              cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True))
@@ -117,7 +120,7 @@ def _scheduler(config: Config, kvcached: bool) -> Any:
                               kv_cache_tensors=[KVCacheTensor(size=spec.page_size_bytes * config.blocks,
                                                               shared_by=["layer"])])
     if kvcached:
-        _attach_space(kv_config, spec.page_size_bytes, config)
+        (attach_space or _attach_space)(kv_config, spec.page_size_bytes, config)
     cls = AsyncScheduler if config.scheduler == "async" else Scheduler
     return cls(vllm_config, kv_config, StructuredOutputManager(vllm_config), block_size=BLOCK,
                hash_block_size=BLOCK)
