@@ -74,19 +74,27 @@ def test_reserve_follows_the_pace_within_the_watermarks() -> None:
 
 
 def test_a_busy_reserve_may_reach_a_full_steps_pages_and_an_idle_one_keeps_its_watermark() -> None:
-    """``step_pages``: while busy the pace may raise the reserve to a full step's pages (above
-    ``max_pages``), and a busy step's end keeps what it refills to; idle, the ceiling is
-    ``max_pages`` again. With ``step_pages=0`` (unknown) nothing changes."""
+    """``step_pages``: while busy the pace, and a page more for blocks that straddle pages,
+    may raise the reserve to a full step's pages (above ``max_pages``), and a busy step's
+    end keeps what it refills to; idle, the ceiling is ``max_pages`` again. With
+    ``step_pages=0`` (unknown) the ceiling stays ``max_pages``."""
     reserve = ReservePolicy(min_pages=1, max_pages=4, step_pages=10)
     reserve.took(8)
     reserve.end_step(busy=True)
-    assert (reserve.ceiling(), reserve.target(), reserve.keep(in_use=50)) == (10, 8, 8)
+    assert (reserve.ceiling(), reserve.target(), reserve.keep(in_use=50)) == (10, 9, 9)
     assert reserve.target(inline=True) == 4, "a map on the step's path carries the watermark's share only"
     reserve.took(12)
     reserve.end_step(busy=True)
     assert reserve.target() == 10, "never above a full step's pages"
     reserve.end_step(busy=False)
     assert (reserve.ceiling(), reserve.target(), reserve.keep(in_use=50)) == (4, 4, 4), "idle: the watermark"
+    for _ in range(9):
+        reserve.end_step(busy=True)
+    assert (reserve.pace, reserve.target()) == (2, 3), "busy: the pace and a page more"
+    reserve.end_step(busy=False)
+    assert reserve.target() == 1, "idle: the pace alone"
+    reserve.end_step(busy=True)
+    assert (reserve.pace, reserve.target()) == (0, 1), "no page more for a pace of 0: no step takes any"
     plain = ReservePolicy(min_pages=1, max_pages=4)
     plain.took(8)
     plain.end_step(busy=True)
