@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -253,7 +254,9 @@ def main() -> int:
     if unknown := sorted(set(modes) - set(REPLIES)):
         ap.error(f"--replies: unknown {unknown}; of {','.join(REPLIES)}")
     shape = Shape(args.requests, args.in_flight)
-    environment = provenance(["python", "benchmarks/bench_growth_waves.py", *sys.argv[1:]])
+    # Another tree's kvcached comes through PYTHONPATH: the command names it.
+    via = [f"PYTHONPATH={os.environ['PYTHONPATH']}"] if os.environ.get("PYTHONPATH") else []
+    environment = provenance([*via, "python", "benchmarks/bench_growth_waves.py", *sys.argv[1:]])
     saved = json.loads(path.read_text()) if path.is_file() else {"runs": []}
     for replies in modes:
         t0 = time.monotonic()
