@@ -41,7 +41,16 @@ from typing import Any
 
 import bench_scheduler_loop as loop
 
-from conformance.reporting import Paragraph, Report, Section, provenance, saved_environment, table, write_report
+from conformance.reporting import (
+    Bullets,
+    Paragraph,
+    Report,
+    Section,
+    provenance,
+    saved_environment,
+    table,
+    write_report,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 STEM = "growth_waves"
@@ -221,10 +230,10 @@ def build(saved: dict[str, Any]) -> Report:
               "starts from an empty pool, later ones from what the burst before left. Blocking maps: pages "
               "mapped, or waited for, on the scheduler's path (the pool's `blocking_maps`), inside `schedule` "
               "and over the whole step.")
-    runs_line = "; ".join(f"{r['label']}: `{r['environment']['command']}` (git {r['environment']['git']})"
-                          for r in runs)
+    commands = {f"{r['label']}: `{r['environment']['command']}` (kvcached and harness at git "
+                f"{r['environment']['git']})": None for r in runs}  # one line per label, in order
     body = (Section("Method", (Paragraph(__doc__.split("\n\n")[1].replace("\n", " ")), Paragraph(method),
-                               Paragraph(f"Runs: {runs_line}."))),
+                               Paragraph("Runs:"), Bullets(tuple(commands)))),
             Section("Pages on the scheduler's path", (table(rows),)))
     last = {f"{r.label}, replies at {r.replies}": r.blocking_maps_in_schedule for r in rows
             if r.burst == len(runs[0]["bursts"])}

@@ -96,7 +96,7 @@ BENCHMARKS = {  # script -> (folder under reports/bench, the saved JSON's stem)
     "bench_scheduler 2 MiB": ("scheduler_2mib", "scheduler"), "bench_serve_steps": ("", "serve_steps"),
     "bench_serving": ("", "serving"), "bench_serving overload": ("serving_overload", "serving"),
     "bench_elasticity": ("", "elasticity"), "bench_rank_rpcs": ("", "rank_rpcs"),
-    "bench_pool_ops": ("", "pool_ops"), "bench_cpu_map": ("", "cpu_map"),
+    "bench_pool_ops": ("", "pool_ops"), "bench_cpu_map": ("", "cpu_map"), "bench_growth_waves": ("", "growth_waves"),
 }
 
 
