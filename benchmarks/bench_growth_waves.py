@@ -232,7 +232,7 @@ def build(saved: dict[str, Any]) -> Report:
               "and over the whole step.")
     commands = {f"{r['label']}: `{r['environment']['command']}` (kvcached and harness at git "
                 f"{r['environment']['git']})": None for r in runs}  # one line per label, in order
-    body = (Section("Method", (Paragraph(__doc__.split("\n\n")[1].replace("\n", " ")), Paragraph(method),
+    body = (Section("Method", (Paragraph(__doc__.split("\n\n")[1].replace("\n", " ").replace("``", "`")), Paragraph(method),
                                Paragraph("Runs:"), Bullets(tuple(commands)))),
             Section("Pages on the scheduler's path", (table(rows),)))
     last = {f"{r.label}, replies at {r.replies}": r.blocking_maps_in_schedule for r in rows
