@@ -118,8 +118,11 @@ class BenchClient:
             self._spent = f"the client process exited with {self.proc.wait()}"
         raise ClientError(f"{tag}: {self._spent}\n{_tail(self.log)}")
 
-    def close(self) -> None:
-        """End the child (end of its stdin), killing it if it does not end in `CLOSE_TIMEOUT_S`."""
+    def close(self, *, kill: bool = False) -> None:
+        """End the child (end of its stdin), killing it if it does not end in `CLOSE_TIMEOUT_S`;
+        ``kill``: at once (a run that is failing or stopped leaves no phase running on)."""
+        if kill and self.proc.poll() is None:
+            self.proc.kill()
         if self.proc.stdin and not self.proc.stdin.closed:
             try:
                 self.proc.stdin.close()
@@ -137,7 +140,7 @@ class BenchClient:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
+        self.close(kill=exc is not None)
 
 
 # ---------------------------------------------------------------- the child

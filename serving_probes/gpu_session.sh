@@ -97,8 +97,8 @@ step() {  # step NAME CMD...: run CMD in $WORK, log to $R/NAME.log, record rc an
     echo "$(date +%T) end $name rc=$rc $(( $(date +%s) - t0 ))s" >> $R/steps
 }
 
-orphans() {  # what a run cut by its timeout left: servers, and EngineCores (their title is VLLM::EngineCore)
-    pkill -9 -f conformance.engine; pkill -9 -f vllm.entrypoints; pkill -9 -f "[V]LLM::EngineCore"; sleep 1
+orphans() {  # what a run cut by its timeout left: servers, EngineCores (titled VLLM::EngineCore), benchmark clients
+    pkill -9 -f conformance.engine; pkill -9 -f vllm.entrypoints; pkill -9 -f "[V]LLM::EngineCore"; pkill -9 -f bench_client.py; sleep 1
 }
 
 workdir() {  # the repository copy the runs use, with the kvcached extension built at install

@@ -47,3 +47,11 @@ def test_a_phase_with_no_answer_in_time_kills_the_child(tmp_path: Path) -> None:
         assert client.proc.wait(10) == -signal.SIGKILL
         with pytest.raises(ClientError, match="next: a phase gave no answer"):
             client.run(["--help"], tmp_path / "next.json", "next")
+
+
+def test_a_block_left_by_an_exception_kills_the_child_at_once(tmp_path: Path) -> None:
+    """A run that fails or is stopped (SIGTERM is a `SystemExit` in the benchmarks) leaves no
+    phase running on: the child is killed, not waited for."""
+    with pytest.raises(SystemExit), BenchClient(tmp_path / "client.log") as client:
+        raise SystemExit(143)
+    assert client.proc.returncode == -signal.SIGKILL
