@@ -118,7 +118,7 @@ def _ranked_space(channels: list[StepChannel], at_step: bool) -> Any:
     def attach(kv_config: Any, stride: int, config: loop.Config) -> None:
         from kvcached._vmm import VirtualRange
 
-        from kvcached.config import KvcachedConfig
+        from kvcached.config import KvcachedConfig, device_defaults
         from kvcached.integration.vllm import engine
         from kvcached.pages import PageSpace
         from kvcached.ranks import RankedPageSpace, RankPages, RankReply
@@ -130,7 +130,7 @@ def _ranked_space(channels: list[StepChannel], at_step: bool) -> Any:
         channels.append(StepChannel(rank, at_step))
         pages = RankedPageSpace(geometry, channels[-1], 1)
         pages.note_available([RankReply(0, True, available_bytes=rank.layout().available_bytes)])
-        kv = KvcachedConfig.resolve(page_size=config.page_size)
+        kv = KvcachedConfig.resolve(defaults=device_defaults("cuda"), page_size=config.page_size)  # the GPU's
         setattr(kv_config, engine.SPACE_ATTRIBUTE, KvSpace(geometry, config=kv, pages=pages))
 
     return attach
@@ -226,7 +226,7 @@ def build(saved: dict[str, Any]) -> Report:
     shape = Shape(**runs[0]["shape"])
     method = (f"Bursts of {shape.requests} requests of {PROMPT} random prompt and {OUTPUT} output tokens, at most "
               f"{shape.in_flight} in flight, {BLOCK}-token blocks, {BLOCKS_PER_PAGE} a kv page, a pool of "
-              f"{POOL_BLOCKS} blocks, vLLM's AsyncScheduler with 8,192 tokens a step; kvcached at its defaults. Burst 1 "
+              f"{POOL_BLOCKS} blocks, vLLM's AsyncScheduler with 8,192 tokens a step; kvcached at its CUDA defaults. Burst 1 "
               "starts from an empty pool, later ones from what the burst before left. Blocking maps: pages "
               "mapped, or waited for, on the scheduler's path (the pool's `blocking_maps`), inside `schedule` "
               "and over the whole step.")
