@@ -28,8 +28,11 @@
 # fg 565 --time-budget 555 ran 2 servers (437 s, 379 s), fg 490 --time-budget 480 ran 2 (349 s);
 # this host's servers took 130-216 s each). Next, in order:
 #   1. the map-rate probe (why a kv page costs the scheduler ~2.9 ms on the path against a ~0.73 ms
-#      driver floor, run-12-06b): in the install call, after install (no server, torch and the
-#      built extension only; expected well under 90 s, not yet timed on a GPU):
+#      driver floor, run-12-06b; and whether the background refill thread maps a step's pages
+#      within a step: reports/bench/growth_waves counts 18 pages a burst on the path at this tree
+#      if it does, 127 if not, and run-12-06b's 200-208 on c8a11ba match "not" there, 179-216):
+#      in the install call, after install (no server, torch and the built extension only;
+#      expected well under 90 s, not yet timed on a GPU):
 #        fg 120 maprate python3 -m serving_probes.map_rate_probe --device cuda --out /tmp/gpu-out/map-rate.json
 #      then, if b or c (a thread spinning Python beside) is far above a, the same with
 #      --switch-interval-ms 0.5 --out /tmp/gpu-out/map-rate-si0.5.json (a GIL convoy shrinks with it);
@@ -38,7 +41,8 @@
 #      `benchmarks/bench_client.py`; run-12-06b lost 20-24 s to that import before every phase, so a
 #      server should take ~60 s less than the 130-216 s below)
 #      the 1b run with 5 rounds on the tree with the idle step's unmaps off its path (4716281), the
-#      busy reserve of a full step's pages (e5f818d, 9e5f55b) and one map call per range (c6dc208):
+#      busy reserve of a full step's pages (e5f818d, 9e5f55b; a page more, 4dd3264) and one map
+#      call per range (c6dc208):
 #      fg 565 --time-budget 555 calls after the install call (10 servers of 130-216 s: 3-4 calls;
 #      run-12-06b is the "before" on an H100, run-12-06 on an H200);
 #      If the lease ends first (an H100 host fits ~7 servers after the install and the probe), the
