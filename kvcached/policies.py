@@ -66,9 +66,13 @@ class ReservePolicy:
     up to the most pages in use at the end of any of the last ``hold_steps`` busy steps, so
     a page emptied as one request ends and wanted as the next one starts stays mapped
     instead of being unmapped and mapped again (a driver call each way on the step's
-    path). The first idle step forgets the window: an idle engine keeps ``max_pages``.
-    A busy step's end also keeps the reserve's target (what it was just refilled to).
-    Invariant: ``max_pages <= keep(in_use)``, equal when not busy.
+    path). The pace is at least the most pages one of those steps took, so a wave of
+    prefill steps after a stretch of decode finds a step's pages mapped instead of a pace
+    decayed to the decode steps' (`bench_growth_waves`, 12-07: 18 pages a burst on the
+    scheduler's path with the decayed pace, 5 with the held one; 127 and 47 where refills
+    are in only when waited for). The first idle step forgets the window: an idle engine
+    keeps ``max_pages``. A busy step's end also keeps the reserve's target (what it was just
+    refilled to). Invariant: ``max_pages <= keep(in_use)``, equal when not busy.
     """
 
     min_pages: int
@@ -80,6 +84,8 @@ class ReservePolicy:
     busy: bool = False
     #: Pages in use at the end of each of the last ``hold_steps`` busy steps.
     in_use_lately: deque[int] = field(default_factory=deque)
+    #: Pages taken during each of the last ``hold_steps`` busy steps.
+    taken_lately: deque[int] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_pages <= self.max_pages:
@@ -88,6 +94,7 @@ class ReservePolicy:
         if self.hold_steps < 0 or self.step_pages < 0:
             raise ConfigError(f"hold_steps={self.hold_steps} and step_pages={self.step_pages} need to be >= 0")
         self.in_use_lately = deque(maxlen=self.hold_steps)
+        self.taken_lately = deque(maxlen=self.hold_steps)
 
     @classmethod
     def from_config(cls, config: KvcachedConfig) -> ReservePolicy:
@@ -98,15 +105,19 @@ class ReservePolicy:
         self.taken_this_step += pages
 
     def end_step(self, *, in_use: int = 0, busy: bool = False) -> None:
-        """The step is over: its takes set the pace, or the pace decays by one; a busy step's
-        ``in_use`` joins the hold window, an idle one clears it."""
-        self.pace = max(self.taken_this_step, self.pace - 1)
-        self.taken_this_step = 0
+        """The step is over: its takes set the pace, or the pace decays by one, but while
+        busy not below the hold window's most taken; a busy step's ``in_use`` and takes join
+        the hold window, an idle one clears it."""
+        taken, self.taken_this_step = self.taken_this_step, 0
+        self.pace = max(taken, self.pace - 1)
         self.busy = busy
         if busy:
             self.in_use_lately.append(in_use)  # a maxlen of 0 keeps nothing
+            self.taken_lately.append(taken)
+            self.pace = max(self.pace, max(self.taken_lately, default=0))
         else:
             self.in_use_lately.clear()
+            self.taken_lately.clear()
 
     def keep(self, in_use: int) -> int:
         """Idle pages to keep mapped at a step's end: ``max_pages``, or while busy, the
