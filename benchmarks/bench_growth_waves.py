@@ -151,7 +151,8 @@ def _requests(shape: Shape, burst: int) -> list[Any]:
 
 
 def _step(sched: Any, pool: Any, channel: StepChannel, tokens: random.Random) -> list[int]:
-    """One step; returns [tokens scheduled, pages taken, blocking maps in schedule, blocking maps]."""
+    """One step; returns [tokens scheduled, pages taken, blocking maps in schedule, blocking maps,
+    idle mapped pages at its end (the reserve, refills in flight included)]."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     channel.step()  # the last step's replies are in (``--replies step``)
@@ -166,7 +167,7 @@ def _step(sched: Any, pool: Any, channel: StepChannel, tokens: random.Random) ->
                                                     sampled_token_ids=sampled))
     after = pool.counters()
     return [out.total_num_scheduled_tokens, after.takes - before.takes, mid.blocking_maps - before.blocking_maps,
-            after.blocking_maps - before.blocking_maps]
+            after.blocking_maps - before.blocking_maps, after.reserve_pages]
 
 
 def run(shape: Shape, bursts: int, replies: str) -> list[list[list[int]]]:
@@ -207,6 +208,9 @@ class Row:
     steps_that_blocked: int
     of_them_wave_starts: int
     blocking_maps_in_the_step: int
+    #: What the reserve costs: idle mapped pages at a step's end, the mean over the burst's steps.
+    idle_pages_mean: float
+    idle_pages_max: int
 
 
 def summarize(label: str, replies: str, bursts: list[list[list[int]]]) -> list[Row]:
@@ -215,8 +219,9 @@ def summarize(label: str, replies: str, bursts: list[list[list[int]]]) -> list[R
         blocked = [k for k, s in enumerate(steps) if s[2]]
         # A wave's first step: a prefill step after a step that was not one.
         starts = [k for k in blocked if steps[k][0] >= PREFILL_TOKENS and (k == 0 or steps[k - 1][0] < PREFILL_TOKENS)]
+        idle = [s[4] for s in steps]
         rows.append(Row(label, replies, i, len(steps), sum(s[1] for s in steps), sum(s[2] for s in steps), len(blocked),
-                        len(starts), sum(s[3] for s in steps)))
+                        len(starts), sum(s[3] for s in steps), round(sum(idle) / len(idle), 1), max(idle)))
     return rows
 
 
@@ -229,7 +234,8 @@ def build(saved: dict[str, Any]) -> Report:
               f"{POOL_BLOCKS} blocks, vLLM's AsyncScheduler with 8,192 tokens a step; kvcached at its CUDA defaults. Burst 1 "
               "starts from an empty pool, later ones from what the burst before left. Blocking maps: pages "
               "mapped, or waited for, on the scheduler's path (the pool's `blocking_maps`), inside `schedule` "
-              "and over the whole step.")
+              "and over the whole step. Idle pages: mapped pages holding no block at a step's end (the reserve and "
+              "refills in flight, `reserve_pages`), what keeping pages ahead of demand costs.")
     commands = {f"{r['label']}: `{r['environment']['command']}` (kvcached and harness at git "
                 f"{r['environment']['git']})": None for r in runs}  # one line per label, in order
     body = (Section("Method", (Paragraph(__doc__.split("\n\n")[1].replace("\n", " ").replace("``", "`")), Paragraph(method),
