@@ -66,13 +66,17 @@ class ReservePolicy:
     up to the most pages in use at the end of any of the last ``hold_steps`` busy steps, so
     a page emptied as one request ends and wanted as the next one starts stays mapped
     instead of being unmapped and mapped again (a driver call each way on the step's
-    path). The pace is at least the most pages one of those steps took, so a wave of
-    prefill steps after a stretch of decode finds a step's pages mapped instead of a pace
-    decayed to the decode steps' (`bench_growth_waves`, 12-07: 18 pages a burst on the
-    scheduler's path with the decayed pace, 5 with the held one; 127 and 47 where refills
-    are in only when waited for). The first idle step forgets the window: an idle engine
-    keeps ``max_pages``. A busy step's end also keeps the reserve's target (what it was just
-    refilled to). Invariant: ``max_pages <= keep(in_use)``, equal when not busy.
+    path). While the engine grows (its pages in use at the window's peak, so no emptied page
+    is held for its next step), the pace is at least the most pages one of those steps
+    took, so a wave of prefill steps after a stretch of decode finds a step's pages mapped
+    instead of a pace decayed to the decode steps' (`bench_growth_waves`, 12-07: 18 pages a
+    burst on the scheduler's path with the decayed pace, 5 with the held one; 127 and 47
+    where refills are in only when waited for). Below its peak the held emptied pages serve
+    instead: holding that pace there too mapped pages no step took (an engine of two
+    requests of different lengths: 14 maps against 10; 12 with the pace held only while it
+    grows). The first idle step forgets the window: an idle engine keeps ``max_pages``. A
+    busy step's end also keeps the reserve's target (what it was just refilled to).
+    Invariant: ``max_pages <= keep(in_use)``, equal when not busy.
     """
 
     min_pages: int
@@ -106,15 +110,16 @@ class ReservePolicy:
 
     def end_step(self, *, in_use: int = 0, busy: bool = False) -> None:
         """The step is over: its takes set the pace, or the pace decays by one, but while
-        busy not below the hold window's most taken; a busy step's ``in_use`` and takes join
-        the hold window, an idle one clears it."""
+        busy and growing (``in_use`` at the hold window's peak) not below the window's most
+        taken; a busy step's ``in_use`` and takes join the hold window, an idle one clears it."""
         taken, self.taken_this_step = self.taken_this_step, 0
         self.pace = max(taken, self.pace - 1)
         self.busy = busy
         if busy:
             self.in_use_lately.append(in_use)  # a maxlen of 0 keeps nothing
             self.taken_lately.append(taken)
-            self.pace = max(self.pace, max(self.taken_lately, default=0))
+            if in_use >= max(self.in_use_lately, default=0):
+                self.pace = max(self.pace, max(self.taken_lately, default=0))
         else:
             self.in_use_lately.clear()
             self.taken_lately.clear()

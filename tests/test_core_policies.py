@@ -104,22 +104,29 @@ def test_a_busy_reserve_may_reach_a_full_steps_pages_and_an_idle_one_keeps_its_w
 
 
 def test_a_holding_reserve_keeps_the_pace_of_its_busiest_recent_step() -> None:
-    """Holding (``hold_steps``): while busy, the pace is at least the most pages one of the
-    last ``hold_steps`` busy steps took, so decode steps between two waves of prefill steps
-    do not decay it; past the window, or at an idle step, it decays as without holding."""
+    """Holding (``hold_steps``): while busy and growing (pages in use at the window's peak),
+    the pace is at least the most pages one of the last ``hold_steps`` busy steps took, so
+    decode steps between two waves of prefill steps do not decay it; past the window, below
+    the window's peak in use (emptied pages are held for the next step), or at an idle step,
+    it decays as without holding."""
     held, plain = ReservePolicy(1, 4, hold_steps=3, step_pages=10), ReservePolicy(1, 4, step_pages=10)
     for reserve in (held, plain):
         reserve.took(8)
-        reserve.end_step(busy=True)
-    for step in range(2):  # decode steps: nothing taken
+        reserve.end_step(in_use=8, busy=True)
+    for step in range(2):  # decode steps: nothing taken, as many pages in use
         for reserve in (held, plain):
-            reserve.end_step(busy=True)
+            reserve.end_step(in_use=8, busy=True)
         assert (held.pace, plain.pace) == (8, 7 - step)
+    shrunk = ReservePolicy(1, 4, hold_steps=3, step_pages=10)
+    shrunk.took(8)
+    shrunk.end_step(in_use=8, busy=True)
+    shrunk.end_step(in_use=6, busy=True)  # two pages emptied, held: they serve the next step
+    assert shrunk.pace == 7, "below the peak in use the pace decays"
     assert held.target() == 9, "the held pace and a page more"
-    held.end_step(busy=True)  # the 8-page step leaves the window of 3
+    held.end_step(in_use=8, busy=True)  # the 8-page step leaves the window of 3
     assert held.pace == 7, "then it decays"
     held.took(8)
-    held.end_step(busy=True)
+    held.end_step(in_use=16, busy=True)
     held.end_step(busy=False)
     assert (held.pace, held.target(), list(held.taken_lately)) == (7, 4, []), "idle: forgotten, the watermark"
 
