@@ -241,7 +241,8 @@ def build(saved: dict[str, Any]) -> Report:
     body = (Section("Method", (Paragraph(__doc__.split("\n\n")[1].replace("\n", " ").replace("``", "`")), Paragraph(method),
                                Paragraph("Runs:"), Bullets(tuple(commands)))),
             Section("Pages on the scheduler's path", (table(rows),)))
-    last = {f"{r.label}, replies at {r.replies}": r.blocking_maps_in_schedule for r in rows
+    said = {"step": "replies in by the next step", "waited": "replies only when waited for"}
+    last = {f"{r.label}, {said[r.replies]}": r.blocking_maps_in_schedule for r in rows
             if r.burst == len(runs[0]["bursts"])}
     return Report(subject="Growth waves: kv pages mapped on the scheduler's path in a saturation burst (counted)",
                   headline="Blocking maps inside `schedule` in the last burst: "
