@@ -38,8 +38,7 @@ def test_every_condition_is_timed_or_says_why_not(saved: Path) -> None:
         assert len(r["map_us"]) == len(r["unmap_us"]) == 3
         assert all(x > 0 for x in (*r["map_us"], *r["unmap_us"])), r
         assert r["thread"] == ("background" if r["condition"] == "c" else "main")
-        per_kv_page = 3 if r["mode"] == probe.PER_RANGE else 3 * 2  # 3 ranges; the batch of 2 kv pages
-        assert (r["map_calls"], r["unmap_calls"]) == (per_kv_page, 3)
+        assert (r["map_calls"], r["unmap_calls"]) == (3, 3)  # 3 ranges: one call each for the whole batch
     d = next(r for r in rows if r["condition"] == "d")
     assert d["beside_map_us"] and all(x > 0 for x in (*d["beside_map_us"], *d["beside_unmap_us"]))
     assert all(r["spinner_loops"] > 0 for r in rows if r["condition"] in "bc")
@@ -163,5 +162,5 @@ def test_the_cuda_rows_are_timed_and_rendered_with_the_floor(tmp_path: Path) -> 
              for line in md.splitlines() if line.startswith(("| floor", "| e "))}
     # 2 VMM pages a kv page: 2 x (15 + 4 + 32) to map, 2 x (21 + 15) to unmap; 3 and 2 calls a VMM page
     assert cells["floor"][:4] == ["C++", "raw driver calls x 2", "12 / 8", "102"] and cells["floor"][5] == "72.0"
-    assert cells["e"][:3] == ["main", "PageSpace (engine's path)", "4 / 2"] and cells["e"][-1] == "2 of 2 / 2 of 2"
+    assert cells["e"][:3] == ["main", "PageSpace (engine's path)", "2 / 2"] and cells["e"][-1] == "2 of 2 / 2 of 2"
     assert "one 8192x8192 bf16 matmul takes 1.50 ms" in md
