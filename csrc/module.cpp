@@ -101,6 +101,47 @@ py::object make_capsule(const std::shared_ptr<RangeState>& self, std::int64_t of
   return wrap_capsule(kvcached::dl::export_bytes(self, off, n), kCapsuleName, capsule_destructor);
 }
 
+// kvcached._vmm.map_each: each (backing, pages) of `batches` mapped in turn, and `done` given
+// an entry for every backing that mapped its whole list, so that the caller knows after a
+// failure which ones to undo (kvcached.pages.PageSpace.map_pages; the first failure is
+// raised). A run of native ranges maps with the GIL released once for the whole run, not
+// once per range: a thread of the same process running Python meanwhile costs a GIL
+// handoff at each retake, up to the switch interval (5 ms) each. Any other backing (a fault
+// seam's wrapper, kvcached.faults.FailingRange) is called through its own `map` in its turn.
+void map_each(const py::sequence& batches, py::list done) {
+  std::vector<std::pair<std::shared_ptr<RangeState>, std::vector<std::int64_t>>> run;
+  auto map_run = [&]() {
+    std::size_t mapped = 0;
+    std::exception_ptr failed;
+    {
+      py::gil_scoped_release nogil;
+      try {
+        for (auto& [range, pages] : run) {
+          range->map(pages);
+          ++mapped;
+        }
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    }
+    for (std::size_t i = 0; i < mapped; ++i) done.append(py::none());
+    run.clear();
+    if (failed) std::rethrow_exception(failed);
+  };
+  for (py::handle item : batches) {
+    py::tuple pair = py::reinterpret_borrow<py::object>(item).cast<py::tuple>();
+    if (pair.size() != 2) throw py::value_error("map_each: each batch is a (backing, pages) pair");
+    if (py::isinstance<RangeState>(pair[0])) {
+      run.emplace_back(pair[0].cast<std::shared_ptr<RangeState>>(), pair[1].cast<std::vector<std::int64_t>>());
+    } else {
+      map_run();
+      pair[0].attr("map")(pair[1]);
+      done.append(py::none());
+    }
+  }
+  map_run();
+}
+
 std::string range_repr(RangeState& r) {
   return "VirtualRange(device='" + r.device() + "', size=" + std::to_string(r.size()) +
          ", page_size=" + std::to_string(r.page_size()) + ", mapped=" + std::to_string(r.num_mapped()) +
@@ -188,5 +229,8 @@ PYBIND11_MODULE(_vmm, m) {
       "Mean microseconds per raw driver call (create, map, set_access, unmap, release) over "
       "`pages` pages mapped and unmapped one at a time, timed natively with no kvcached "
       "bookkeeping: the floor the GPU cost probe compares kvcached against.");
+  m.def("map_each", &map_each, py::arg("batches"), py::arg("done"),
+        "Map each (backing, pages) pair in turn, a run of native ranges with the GIL released once; "
+        "`done` gets an entry for every backing that mapped its whole list. The first failure is raised.");
   m.def("os_page_size", &kvcached::os_page_size, "The OS page size in bytes.");
 }

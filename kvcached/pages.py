@@ -246,11 +246,15 @@ class PageSpace:
     def map_pages(self, kv_pages: Sequence[int]) -> None:
         """Map every page of the batch in every range; all-or-nothing across the batch.
 
-        One `Range.map` per range for the whole batch, not one per (kv page, range): each
-        call releases and retakes the GIL, which another thread of the process (a refill)
-        may hold meanwhile, and costs Python bookkeeping around it, so a batch of 8 kv pages
-        over 16 ranges paid 128 of those round trips instead of 16. A range's map is itself
-        all-or-nothing (it maps the whole list or rolls back, csrc/vrange.cpp).
+        One `Range.map` per range for the whole batch, not one per (kv page, range), and the
+        native ranges' maps in one call (`kvcached._vmm.map_each`) that releases the GIL once
+        for all of them: each retake of the GIL waits for the thread that holds it meanwhile
+        (the scheduler's, where a refill maps in the background; up to the switch interval,
+        5 ms), so a batch of 8 kv pages over 16 ranges paid 128 of those handoffs, then 16,
+        now 1. (`serving_probes/map_rate_probe.py`, 12-07 on 2 CPU cores: a batch mapped one
+        call per range beside a thread spinning Python took 4.5-6.4 ms a kv page, against
+        16-20 µs alone.) A range's map is itself all-or-nothing (it maps the whole list or
+        rolls back, csrc/vrange.cpp).
 
         On a failure the batch is unmapped in every backing that mapped any of it. If that
         undo fails too, its error is raised (chained to the first) and the pages it could
@@ -258,6 +262,8 @@ class PageSpace:
         must not treat them as free (`PagePool` quarantines them)."""
         if not kv_pages:
             return
+        from kvcached._vmm import map_each  # the mechanism layer, under every real range
+
         charged = 0
         if self.charger is not None:
             before, charged = self.mapped_bytes(), len(kv_pages) * self.kv_page_bytes
@@ -265,12 +271,12 @@ class PageSpace:
                 raise PhysicalMemoryExhausted(
                     f"physical budget exhausted mapping {len(kv_pages)} kv page(s) of {self.kv_page_bytes} bytes: "
                     f"{self.charger.available()} bytes available")
-        mapped = 0  # the ranges that mapped the whole batch: ranges[:mapped]
+        done: list[None] = []  # an entry per range that mapped the whole batch: ranges[:len(done)]
         try:
-            for r, vrange in enumerate(self.ranges):
-                vrange.map([v for page in kv_pages for v in self.vmm_pages(r, page)])
-                mapped += 1
+            map_each([(vrange, [v for page in kv_pages for v in self.vmm_pages(r, page)])
+                      for r, vrange in enumerate(self.ranges)], done)
         except BaseException as exc:
+            mapped = len(done)
             # The failing range mapped nothing, unless its own rollback failed (an unmap at
             # the OS mapping limit, csrc/vrange.cpp): what that left is this call's too, and
             # `_unmap_each` skips what a backing does not map. Not after an InvariantError:

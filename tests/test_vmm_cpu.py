@@ -424,6 +424,53 @@ def test_interpreter_exit_prints_nothing() -> None:
 # ---------------------------------------------------------------------------------------
 
 
+def test_map_each_maps_every_backing_in_turn_and_notes_each_done() -> None:
+    """`map_each`: native ranges and any other backing (the fault seam's wrapper) in order;
+    ``done`` gets an entry per backing that mapped its whole list."""
+    from kvcached.faults import FailingRange
+
+    ranges = [_vmm.VirtualRange("cpu", 4 * PS, PS) for _ in range(3)]
+    wrapped = FailingRange(ranges[1])
+    done: list[None] = []
+    _vmm.map_each([(ranges[0], [0, 2]), (wrapped, [1]), (ranges[2], [3])], done)
+    assert done == [None] * 3 and wrapped.calls["map"] == 1
+    assert [r.mapped_pages() for r in ranges] == [[0, 2], [1], [3]]
+    _vmm.map_each([], done)
+    assert len(done) == 3
+    for r in ranges:
+        r.close()
+
+
+@pytest.mark.parametrize("fails", ["native", "wrapped"])
+def test_map_each_stops_at_the_first_failure_and_says_how_far_it_got(fails: str) -> None:
+    """The failing backing maps nothing (a range is all-or-nothing; the wrapper raises before
+    its range is touched), those after it are not tried, and ``done`` counts those before."""
+    from kvcached.faults import FailingRange
+
+    ranges = [_vmm.VirtualRange("cpu", 4 * PS, PS) for _ in range(4)]
+    wrapped = FailingRange(ranges[2])
+    if fails == "native":
+        ranges[1].map([3])  # the list below asks for page 3 again there: refused whole
+        lists = [[0, 1], [2, 3], [0], [0]]
+        error: type[Exception] = InvariantError
+    else:
+        wrapped.fail_call("map", 1, PhysicalMemoryExhausted("planted"))
+        lists = [[0, 1], [2], [0], [0]]
+        error = PhysicalMemoryExhausted
+    done: list[None] = []
+    with pytest.raises(error):
+        _vmm.map_each([(ranges[0], lists[0]), (ranges[1], lists[1]), (wrapped, lists[2]), (ranges[3], lists[3])],
+                      done)
+    assert len(done) == (1 if fails == "native" else 2)
+    assert ranges[0].mapped_pages() == [0, 1] and ranges[3].mapped_pages() == []
+    assert ranges[1].mapped_pages() == ([3] if fails == "native" else [2])
+    assert ranges[2].mapped_pages() == []
+    with pytest.raises(ValueError, match="a \\(backing, pages\\) pair"):
+        _vmm.map_each([(ranges[3],)], done)  # type: ignore[list-item]
+    for r in ranges:
+        r.close()
+
+
 def test_threads_on_disjoint_pages() -> None:
     r = _vmm.VirtualRange("cpu", 64 * OS_PAGE, OS_PAGE)
     errors: list[BaseException] = []
