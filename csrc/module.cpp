@@ -142,6 +142,45 @@ void map_each(const py::sequence& batches, py::list done) {
   map_run();
 }
 
+// kvcached._vmm.unmap_each: each (backing, pages) of `batches` unmapped, every backing tried
+// even after one fails; the first failure is raised after the last (kvcached.pages.
+// PageSpace._unmap_each). Native ranges as in map_each, a run of them with the GIL released
+// once; any other backing through its own `unmap`, where only an Exception is kept for later.
+void unmap_each(const py::sequence& batches) {
+  std::exception_ptr first;
+  std::vector<std::pair<std::shared_ptr<RangeState>, std::vector<std::int64_t>>> run;
+  auto unmap_run = [&]() {
+    {
+      py::gil_scoped_release nogil;
+      for (auto& [range, pages] : run) {
+        try {
+          range->unmap(pages);
+        } catch (...) {
+          if (!first) first = std::current_exception();
+        }
+      }
+    }
+    run.clear();
+  };
+  for (py::handle item : batches) {
+    py::tuple pair = py::reinterpret_borrow<py::object>(item).cast<py::tuple>();
+    if (pair.size() != 2) throw py::value_error("unmap_each: each batch is a (backing, pages) pair");
+    if (py::isinstance<RangeState>(pair[0])) {
+      run.emplace_back(pair[0].cast<std::shared_ptr<RangeState>>(), pair[1].cast<std::vector<std::int64_t>>());
+      continue;
+    }
+    unmap_run();
+    try {
+      pair[0].attr("unmap")(pair[1]);
+    } catch (py::error_already_set& e) {
+      if (!e.matches(PyExc_Exception)) throw;  // KeyboardInterrupt and the like: at once
+      if (!first) first = std::current_exception();
+    }
+  }
+  unmap_run();
+  if (first) std::rethrow_exception(first);
+}
+
 std::string range_repr(RangeState& r) {
   return "VirtualRange(device='" + r.device() + "', size=" + std::to_string(r.size()) +
          ", page_size=" + std::to_string(r.page_size()) + ", mapped=" + std::to_string(r.num_mapped()) +
@@ -232,5 +271,8 @@ PYBIND11_MODULE(_vmm, m) {
   m.def("map_each", &map_each, py::arg("batches"), py::arg("done"),
         "Map each (backing, pages) pair in turn, a run of native ranges with the GIL released once; "
         "`done` gets an entry for every backing that mapped its whole list. The first failure is raised.");
+  m.def("unmap_each", &unmap_each, py::arg("batches"),
+        "Unmap each (backing, pages) pair, every one tried even after one fails, a run of native ranges "
+        "with the GIL released once. The first failure is raised after the last.");
   m.def("os_page_size", &kvcached::os_page_size, "The OS page size in bytes.");
 }

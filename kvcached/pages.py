@@ -313,7 +313,8 @@ class PageSpace:
 
     def _unmap_each(self, kv_pages: Sequence[Sequence[int]], strict: bool = False) -> None:
         """Unmap in each backing ``r`` what it still maps of ``kv_pages[r]``. Every backing
-        is tried even after one fails (the first error is raised after), and a page already
+        is tried even after one fails (the first error is raised after; `kvcached._vmm.unmap_each`,
+        the native ranges with the GIL released once), and a page already
         unmapped in a backing is skipped there: a retry after a partial failure finishes.
         ``strict``: a page no backing maps is an `InvariantError`, before anything changes."""
         plan: list[list[int]] = []  # VMM pages to unmap, per backing (one is_mapped pass)
@@ -328,16 +329,9 @@ class PageSpace:
             plan.append(wanted)
         if strict and (lost := sorted({p for pages in kv_pages for p in pages} - held)):
             raise InvariantError(f"kv pages {lost} are not mapped in any backing")
-        first: BaseException | None = None
-        for vrange, wanted in zip(self.ranges, plan, strict=True):
-            if not wanted:
-                continue
-            try:
-                vrange.unmap(wanted)
-            except Exception as exc:  # noqa: BLE001 - re-raised below, after the other backings
-                first = first or exc
-        if first is not None:
-            raise first
+        from kvcached._vmm import unmap_each  # one GIL release for the native ranges, as `map_pages`
+
+        unmap_each([(vrange, wanted) for vrange, wanted in zip(self.ranges, plan, strict=True) if wanted])
 
     def physical_available(self) -> int:
         """Bytes this space could still map: the device's free memory, at most the budget's."""

@@ -471,6 +471,29 @@ def test_map_each_stops_at_the_first_failure_and_says_how_far_it_got(fails: str)
         r.close()
 
 
+def test_unmap_each_tries_every_backing_and_raises_the_first_failure_after() -> None:
+    """`unmap_each`: a backing that fails (a native range asked for a page it does not map, the
+    wrapper's planted failure) does not stop the others; the first failure is raised after."""
+    from kvcached.faults import FailingRange
+
+    ranges = [_vmm.VirtualRange("cpu", 4 * PS, PS) for _ in range(4)]
+    for r in ranges:
+        r.map([0, 1])
+    wrapped = FailingRange(ranges[2])
+    wrapped.fail_call("unmap", 1, PhysicalMemoryExhausted("planted"))
+    with pytest.raises(InvariantError):  # the first failure: range 1 does not map page 3
+        _vmm.unmap_each([(ranges[0], [0]), (ranges[1], [1, 3]), (wrapped, [0]), (ranges[3], [0, 1])])
+    assert [r.mapped_pages() for r in ranges] == [[1], [0, 1], [0, 1], []]
+    with pytest.raises(PhysicalMemoryExhausted, match="planted"):
+        wrapped.fail_call("unmap", 1, PhysicalMemoryExhausted("planted"))
+        _vmm.unmap_each([(wrapped, [0]), (ranges[0], [1])])
+    assert ranges[0].mapped_pages() == [] and ranges[2].mapped_pages() == [0, 1]
+    _vmm.unmap_each([(wrapped, [0, 1]), (ranges[1], [0, 1])])
+    assert all(r.mapped_pages() == [] for r in ranges)
+    for r in ranges:
+        r.close()
+
+
 def test_threads_on_disjoint_pages() -> None:
     r = _vmm.VirtualRange("cpu", 64 * OS_PAGE, OS_PAGE)
     errors: list[BaseException] = []
