@@ -347,7 +347,7 @@ class Rig:
         """Map and unmap of ``pages`` the ``mode`` way, and their VirtualRange call counts."""
         space = self.space
         if mode == PAGESPACE:
-            # One map call per range for the whole batch since c6dc208 (a call per kv page per range before).
+            # A map per range for the whole batch (c6dc208), all inside one native call (map_each).
             return (lambda: space.map_pages(pages), lambda: space.unmap_pages(pages),
                     len(self.ranges), len(self.ranges))
         lists = [[v for p in pages for v in space.vmm_pages(r, p)] for r in range(len(self.ranges))]
@@ -616,10 +616,11 @@ def write(r: Result, out: Path, environment: Provenance, save: bool = True) -> P
                "named, divided by the batch's kv pages; median and min-max over the repeats; x a: the median over "
                "a's median, the same way. "
                + " ".join(f"{k}: {v}." for k, v in CONDITIONS.items())
-               + " PageSpace (engine's path): `PageSpace.map_pages` / `unmap_pages`, one map call per range for "
-               "the whole batch (its budget charge and failure undo around them), and an `is_mapped` per VMM page "
-               "before one unmap call per range; one call per range: `VirtualRange.map` / `unmap` once per range "
-               "for the whole batch, nothing else. The floor row: "
+               + " PageSpace (engine's path): `PageSpace.map_pages` / `unmap_pages`, every range's list of the "
+               "batch in one `map_each` / `unmap_each` call that releases the GIL once (its budget charge and "
+               "failure undo around it, and an `is_mapped` per VMM page before the unmap); one call per range: "
+               "`VirtualRange.map` / `unmap` once per range for the whole batch, the GIL released and retaken at "
+               "each, nothing else. Calls per batch count the ranges' maps and unmaps either way. The floor row: "
                "`cuda_driver_floor`'s C++ timing of create + map + set-access (unmap + release) per VMM page, "
                "times the VMM pages of a kv page.")
     notes = [*(f"{c} not run: {why}" for c, why in r.skipped.items()),
