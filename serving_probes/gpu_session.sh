@@ -36,11 +36,11 @@
 #        fg 120 maprate python3 -m serving_probes.map_rate_probe --device cuda --out /tmp/gpu-out/map-rate.json
 #      then, if b or c (a thread spinning Python beside) is far above a, the same with
 #      --switch-interval-ms 0.5 --out /tmp/gpu-out/map-rate-si0.5.json (a GIL convoy shrinks with it);
-#      on the 2-core CPU box (12-07) b and c reach 4.5-6.4 ms a kv page against a's 16-20 µs in one of
-#      the two ways each (which one is a race: a call of µs there; a driver call of ~45 µs on the GPU
-#      leaves the other thread time to take the GIL every time). If the GPU shows it, the fix is one
-#      GIL release per batch instead of one per range: a native call that maps the batch in every
-#      range (the failure undo can stay in Python: which ranges mapped is readable from is_mapped);
+#      on the 2-core CPU box (12-07) b and c reached 4.5-6.4 ms a kv page against a's 16-20 µs with a
+#      GIL release per range (a driver call of ~45 µs on the GPU leaves the other thread time to take
+#      the GIL at every one). Since 278da66/1f4891b the engine's path releases it once a batch
+#      (kvcached._vmm.map_each / unmap_each): 0.66-0.69 ms there. The probe's PageSpace rows measure
+#      that, its per-range rows the old way, side by side;
 #      `--render --out reports/gpu/map-rate/map-rate.json` renders the committed report again here;
 #   2. (each phase's client no longer imports vLLM: one client child per server, started before it,
 #      `benchmarks/bench_client.py`; run-12-06b lost 20-24 s to that import before every phase, so a
