@@ -71,11 +71,12 @@ def test_the_compatibility_table_renders_again(tmp_path: Path) -> None:
     _same_report(saved / "README.md", compat.render(compat.load_versions(saved), tmp_path))
 
 
-@pytest.mark.parametrize("name", ["isolation", "sharing"])
-def test_a_gpu_probe_renders_again(tmp_path: Path, name: str) -> None:
+@pytest.mark.parametrize(("folder", "name"), [("gpu/isolation", "isolation"), ("gpu/sharing", "sharing"),
+                                             ("bench/map-rate-cpu", "map-rate")])
+def test_a_probe_renders_again(tmp_path: Path, folder: str, name: str) -> None:
     from serving_probes import probe_report
 
-    saved = _committed("gpu", name, f"{name}.json")
+    saved = _committed(*folder.split("/"), f"{name}.json")
     data, environment = probe_report.load(saved)
     module = __import__(probe_report.PROBES[name], fromlist=["render_saved"])
     _same_report(saved.with_suffix(".md"), module.render_saved(data, environment, tmp_path))
