@@ -137,17 +137,9 @@ def _ranked_space(channels: list[StepChannel], at_step: bool) -> Any:
 
 
 def _requests(shape: Shape, burst: int) -> list[Any]:
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    hasher = get_request_block_hasher(BLOCK, sha256)
     r = random.Random(shape.seed * 1000 + burst)
-    params = SamplingParams(max_tokens=OUTPUT, ignore_eos=True)
-    return [Request(f"b{burst}-{i}", [r.randrange(3, 30000) for _ in range(PROMPT)], params, None,
-                    block_hasher=hasher) for i in range(shape.requests)]
+    prompts = [[r.randrange(3, 30000) for _ in range(PROMPT)] for _ in range(shape.requests)]
+    return loop.hashed_requests(prompts, OUTPUT, f"b{burst}")
 
 
 def _step(sched: Any, pool: Any, channel: StepChannel, tokens: random.Random) -> list[int]:

@@ -140,7 +140,9 @@ def _attach_space(kv_config: Any, stride: int, config: Config) -> None:
     setattr(kv_config, engine.SPACE_ATTRIBUTE, space)
 
 
-def _requests(n: int, max_tokens: int, seed: int, tag: str) -> list[Any]:
+def hashed_requests(prompts: list[list[int]], max_tokens: int, tag: str) -> list[Any]:
+    """vLLM requests ``TAG-i`` of ``prompts``, greedy past EOS for ``max_tokens``, with the block
+    hasher a prefix-caching engine gives them."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -148,11 +150,17 @@ def _requests(n: int, max_tokens: int, seed: int, tag: str) -> list[Any]:
 
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return [Request(f"{tag}-{i}", prompt, params, None, block_hasher=hasher) for i, prompt in enumerate(prompts)]
+
+
+def _requests(n: int, max_tokens: int, seed: int, tag: str) -> list[Any]:
+    """``n`` requests sharing prefixes of one 256-token root, each with a short suffix of its own."""
     r = random.Random(seed)
     root = [r.randrange(3, 1024) for _ in range(256)]
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return [Request(f"{tag}-{i}", root[: r.randrange(16, 200)] + [r.randrange(3, 1024) for _ in range(r.randrange(1, 32))],
-                    params, None, block_hasher=hasher) for i in range(n)]
+    prompts = [root[: r.randrange(16, 200)] + [r.randrange(3, 1024) for _ in range(r.randrange(1, 32))]
+               for _ in range(n)]
+    return hashed_requests(prompts, max_tokens, tag)
 
 
 class _Side:
