@@ -101,6 +101,24 @@ py::object make_capsule(const std::shared_ptr<RangeState>& self, std::int64_t of
   return wrap_capsule(kvcached::dl::export_bytes(self, off, n), kCapsuleName, capsule_destructor);
 }
 
+// The native ranges of map_each's and unmap_each's batches that run together with the GIL
+// released, each with its pages.
+using NativeRun = std::vector<std::pair<std::shared_ptr<RangeState>, std::vector<std::int64_t>>>;
+
+// One (backing, pages) pair of `fn`'s batches, checked.
+py::tuple batch_pair(py::handle item, const char* fn) {
+  py::tuple pair = py::reinterpret_borrow<py::object>(item).cast<py::tuple>();
+  if (pair.size() != 2) throw py::value_error(std::string(fn) + ": each batch is a (backing, pages) pair");
+  return pair;
+}
+
+// Adds the pair to `run` if its backing is a native range; false for any other backing.
+bool add_native(NativeRun& run, const py::tuple& pair) {
+  if (!py::isinstance<RangeState>(pair[0])) return false;
+  run.emplace_back(pair[0].cast<std::shared_ptr<RangeState>>(), pair[1].cast<std::vector<std::int64_t>>());
+  return true;
+}
+
 // kvcached._vmm.map_each: each (backing, pages) of `batches` mapped in turn, and `done` given
 // an entry for every backing that mapped its whole list, so that the caller knows after a
 // failure which ones to undo (kvcached.pages.PageSpace.map_pages; the first failure is
@@ -109,7 +127,7 @@ py::object make_capsule(const std::shared_ptr<RangeState>& self, std::int64_t of
 // handoff at each retake, up to the switch interval (5 ms) each. Any other backing (a fault
 // seam's wrapper, kvcached.faults.FailingRange) is called through its own `map` in its turn.
 void map_each(const py::sequence& batches, py::list done) {
-  std::vector<std::pair<std::shared_ptr<RangeState>, std::vector<std::int64_t>>> run;
+  NativeRun run;
   auto map_run = [&]() {
     std::size_t mapped = 0;
     std::exception_ptr failed;
@@ -129,15 +147,11 @@ void map_each(const py::sequence& batches, py::list done) {
     if (failed) std::rethrow_exception(failed);
   };
   for (py::handle item : batches) {
-    py::tuple pair = py::reinterpret_borrow<py::object>(item).cast<py::tuple>();
-    if (pair.size() != 2) throw py::value_error("map_each: each batch is a (backing, pages) pair");
-    if (py::isinstance<RangeState>(pair[0])) {
-      run.emplace_back(pair[0].cast<std::shared_ptr<RangeState>>(), pair[1].cast<std::vector<std::int64_t>>());
-    } else {
-      map_run();
-      pair[0].attr("map")(pair[1]);
-      done.append(py::none());
-    }
+    py::tuple pair = batch_pair(item, "map_each");
+    if (add_native(run, pair)) continue;
+    map_run();
+    pair[0].attr("map")(pair[1]);
+    done.append(py::none());
   }
   map_run();
 }
@@ -148,7 +162,7 @@ void map_each(const py::sequence& batches, py::list done) {
 // once; any other backing through its own `unmap`, where only an Exception is kept for later.
 void unmap_each(const py::sequence& batches) {
   std::exception_ptr first;
-  std::vector<std::pair<std::shared_ptr<RangeState>, std::vector<std::int64_t>>> run;
+  NativeRun run;
   auto unmap_run = [&]() {
     {
       py::gil_scoped_release nogil;
@@ -163,12 +177,8 @@ void unmap_each(const py::sequence& batches) {
     run.clear();
   };
   for (py::handle item : batches) {
-    py::tuple pair = py::reinterpret_borrow<py::object>(item).cast<py::tuple>();
-    if (pair.size() != 2) throw py::value_error("unmap_each: each batch is a (backing, pages) pair");
-    if (py::isinstance<RangeState>(pair[0])) {
-      run.emplace_back(pair[0].cast<std::shared_ptr<RangeState>>(), pair[1].cast<std::vector<std::int64_t>>());
-      continue;
-    }
+    py::tuple pair = batch_pair(item, "unmap_each");
+    if (add_native(run, pair)) continue;
     unmap_run();
     try {
       pair[0].attr("unmap")(pair[1]);
