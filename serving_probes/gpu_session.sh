@@ -7,8 +7,9 @@
 # Each call is a fresh command on a machine that stays up only ~30 s between calls and carries at
 # most 64 MiB (the tracked tree, ~7 MB, plus the parts named to travel; `carry` names them):
 #   1. stage                                  (carrying .gpu/bundle/core.part01)
-#   2. stage                                  (carrying core.part02 and manifest.json)
-#   3. stage && install && chunk 470 ARGS     (carrying moe.part01)
+#   2. stage                                  (carrying core.part02)
+#   3. stage && BUNDLE_GROUPS=core install && fg 120 ...  (carrying core.part03 and manifest.json;
+#                                              moe.part01 in a call of its own first for the MoE rows)
 #   4. chunk 560 ARGS, or fg 560 NAME CMD...  as the lease allows
 # Issue each call the moment the last one returns. Twice (12-04) a machine went back between calls
 # while a whole-matrix run went on in the background, losing it at 77 and 84 of ~100 case runs;
@@ -60,8 +61,9 @@
 #      1b-v1, then hybrid;
 #   5. after a cut in kvcached's scheduler time per running request, the 1b run again beside the
 #      `before` build of its parent commit (a before/after on one machine).
-# Parts are 44 MiB since 12-05 night (the tracked tree grew to 18 MB; 48 MiB parts no longer fit
-# one 64 MiB call with it); rebuild the bundle with `gpu_bundle build` if its parts are larger.
+# Parts are 41 MiB since 12-07 (the tracked tree grew to 19.1 MiB, 22 MiB on disk, and a call with a
+# 44 MiB part was refused as over 64 MiB; 48 MiB parts stopped fitting at 18 MB on 12-05); rebuild the
+# bundle with `gpu_bundle build` if its parts are larger.
 #   fg 560 serving python3 benchmarks/bench_serving.py --device cuda --models 1b --rounds 3 --step-times \
 #       --out /tmp/gpu-out/serving --logs /tmp/gpu-out/serving/logs
 #       --time-budget SECS (a few s under fg's): no server starts that would not end in the call;
