@@ -72,7 +72,8 @@ def test_the_compatibility_table_renders_again(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("folder", "name"), [("gpu/isolation", "isolation"), ("gpu/sharing", "sharing"),
-                                             ("bench/map-rate-cpu", "map-rate")])
+                                             ("bench/map-rate-cpu", "map-rate"), ("gpu/map-rate", "map-rate"),
+                                             ("gpu/map-rate/switch-0.5ms", "map-rate")])
 def test_a_probe_renders_again(tmp_path: Path, folder: str, name: str) -> None:
     from serving_probes import probe_report
 
