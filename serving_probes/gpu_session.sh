@@ -22,45 +22,28 @@
 # H200 timings (12-04): staging 10 s, install 52-57 s; the V1 matrix with 8 jobs: hybrids 406 s,
 # llama and qwen3 244 s; nemotron_h alone 373 s; V2 dense mp rows 154 s; the GPU engine tests
 # 374 s; bench_serving 1b: a server ~85 s to start, a phase ~33 s (7 phase runs in 510 s).
-# The next session's calls, in order of need (issue 30). Done 12-06 morning (an H100 although an
-# H200 was asked for, 1,613 s of the lease): the 1b run with 5 rounds on tree c8a11ba (the gate
-# fix and slots), cut at 3 rounds and round 4's kvcached server (reports/gpu/serving/run-12-06b:
-# install 55 s, the cold native server 243 s; fg 495 --time-budget 440 ran 1 server (286 s), then
-# fg 565 --time-budget 555 ran 2 servers (437 s, 379 s), fg 490 --time-budget 480 ran 2 (349 s);
-# this host's servers took 130-216 s each). Next, in order:
-#   1. the map-rate probe (why a kv page costs the scheduler ~2.9 ms on the path against a ~0.73 ms
-#      driver floor, run-12-06b; and whether the background refill thread maps a step's pages
-#      within a step: reports/bench/growth_waves counts 18 pages a burst on the path at this tree
-#      if it does, 127 if not, and run-12-06b's 200-208 on c8a11ba match "not" there, 179-216):
-#      in the install call, after install (no server, torch and the built extension only;
-#      expected well under 90 s, not yet timed on a GPU):
-#        fg 120 maprate python3 -m serving_probes.map_rate_probe --device cuda --out /tmp/gpu-out/map-rate.json
-#      then, if b or c (a thread spinning Python beside) is far above a, the same with
-#      --switch-interval-ms 0.5 --out /tmp/gpu-out/map-rate-si0.5.json (a GIL convoy shrinks with it);
-#      on the 2-core CPU box (12-07) b and c reached 4.5-6.4 ms a kv page against a's 16-20 µs with a
-#      GIL release per range (a driver call of ~45 µs on the GPU leaves the other thread time to take
-#      the GIL at every one). Since 278da66/1f4891b the engine's path releases it once a batch
-#      (kvcached._vmm.map_each / unmap_each): 0.66-0.69 ms there. The probe's PageSpace rows measure
-#      that, its per-range rows the old way, side by side;
-#      `--render --out reports/gpu/map-rate/map-rate.json` renders the committed report again here;
-#   2. (each phase's client no longer imports vLLM: one client child per server, started before it,
-#      `benchmarks/bench_client.py`; run-12-06b lost 20-24 s to that import before every phase, so a
-#      server should take ~60 s less than the 130-216 s below)
-#      the 1b run with 5 rounds on the tree with the idle step's unmaps off its path (4716281), the
-#      busy reserve of a full step's pages (e5f818d, 9e5f55b; a page more, 4dd3264) and one map
-#      call per range (c6dc208):
-#      fg 565 --time-budget 555 calls after the install call (10 servers of 130-216 s: 3-4 calls;
-#      run-12-06b is the "before" on an H100, run-12-06 on an H200);
-#      If the lease ends first (an H100 host fits ~7 servers after the install and the probe), the
-#      next session can finish the same run only on the same tree: commit the partial report, then
-#      there `mkdir -p /tmp/gpu-out/serving && cp reports/gpu/serving/RUN/serving.partial.json
-#      /tmp/gpu-out/serving/` before `--resume` (the lent host has no checkout: nothing checks the tree);
-#   3. the sharing run again: its bursts are streamed since, so it measures each request's time
+# The next session's calls, in order of need (issue 30). Done 12-07 (an H100, three tries refused
+# first, 1,612 s of the lease): the map-rate probe (8 s, reports/gpu/map-rate), the 1b run with all
+# 5 rounds on 064ae57 (reports/gpu/serving/run-12-07: servers of 65-100 s, 10 in 796 s over three
+# calls: fg 290 --time-budget 280 with the install, fg 560 --time-budget 550, fg 150 --time-budget
+# 140), and the dense in-process conformance rows on V2 and V1 (114 s and 99 s,
+# reports/gpu/conformance/run-12-07). Next, in order:
+#   1. the sharing run again: its bursts are streamed since, so it measures each request's time
 #      to first token on both sides (how long B's burst waits for memory), three calls;
-#   4. the serving rows the default run leaves out, a model per run: --models 1b-eager, then
+#   2. the cached-block cap's share of the rate phase's miss on the GPU, an ablation on the same
+#      machine: --kvcached-env KVCACHED_MAX_CACHED_BLOCKS=-1 (servers of ~70 s: 10 in ~800 s);
+#   3. the serving rows the default run leaves out, a model per run: --models 1b-eager, then
 #      1b-v1, then hybrid;
-#   5. after a cut in kvcached's scheduler time per running request, the 1b run again beside the
-#      `before` build of its parent commit (a before/after on one machine).
+#   4. after a cut in kvcached's scheduler time per running request, or an idle grace for the cap,
+#      the 1b run again beside the `before` build of its parent commit (a before/after on one
+#      machine).
+#      If the lease ends first, the next session can finish the same run only on the same tree:
+#      commit the partial report, then there `mkdir -p /tmp/gpu-out/serving && cp
+#      reports/gpu/serving/RUN/serving.partial.json /tmp/gpu-out/serving/` before `--resume` (the
+#      lent host has no checkout: nothing checks the tree).
+# The map-rate probe: `python3 -m serving_probes.map_rate_probe --device cuda --out
+# /tmp/gpu-out/map-rate.json` (8 s after install; `--switch-interval-ms 0.5` for the GIL's share;
+# `--render --out reports/gpu/map-rate/map-rate.json` renders the committed report again here).
 # Parts are 41 MiB since 12-07 (the tracked tree grew to 19.1 MiB, 22 MiB on disk, and a call with a
 # 44 MiB part was refused as over 64 MiB; 48 MiB parts stopped fitting at 18 MB on 12-05); rebuild the
 # bundle with `gpu_bundle build` if its parts are larger.
