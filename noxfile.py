@@ -109,7 +109,7 @@ CORE_PYTHONS = ("3.10", "3.11", "3.12", "3.13")
 #: The core's tests: they need neither vLLM nor torch (views go through numpy's DLPack).
 CORE_TESTS = ("test_budget_record.py", "test_cli.py", "test_core_backend_faults.py", "test_core_ledger_state.py",
               "test_core_pool.py", "test_core_ranks.py", "test_core_space.py", "test_faults_plan.py",
-              "test_host_memory.py", "test_tenant_isolation.py", "test_vmm_cpu.py")
+              "test_host_memory.py", "test_idle.py", "test_tenant_isolation.py", "test_vmm_cpu.py")
 
 
 def _interpreter(version: str) -> str:

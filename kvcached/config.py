@@ -280,6 +280,7 @@ _KNOBS: dict[str, _Knob] = {
     "budget_bytes": _Knob("KVCACHED_BUDGET_BYTES", _bytes_text, _optional_bytes),
     "budget_path": _Knob("KVCACHED_BUDGET_PATH", _text, _budget_path),
     "max_cached_blocks": _Knob("KVCACHED_MAX_CACHED_BLOCKS", _parse_cap, _parse_cap),
+    "idle_grace_s": _Knob("KVCACHED_IDLE_GRACE_MS", _ms_text, _seconds(3600.0)),
     "fault_plan": _Knob("KVCACHED_FAULT_PLAN", _text, _optional_text),
     "background_refill": _Knob("KVCACHED_BACKGROUND_REFILL", _text, _refill),
     "host_reserve": _Knob("KVCACHED_HOST_RESERVE", parse_reserve, _reserve),
@@ -308,7 +309,11 @@ DEFAULT_HOST_RESERVE = "10%"
 #: start. Measured on an H100 (reports/gpu/serving/diag-12-05): 92 slow steps and 1.55 s of a
 #: 10.5 s saturation phase without holding, 20 and 0.39 s with it. On a CPU an mmap costs
 #: microseconds, and an engine gives back what it does not use at every step's end.
-_DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {"cuda": {"hold_steps": 256}}
+#: A served CUDA engine also applies the cached-block cap only once it has been idle for a
+#: second (``idle_grace_s``): on an H100 (reports/gpu/serving/run-12-07, round 1) a saturation
+#: burst whose waves of equal requests ended together ran out of requests for 10-20 ms four
+#: times, the cap applied each time, and the burst's prefix hits fell from 22.4% to 7.7%.
+_DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {"cuda": {"hold_steps": 256, "idle_grace_s": 1.0}}
 
 
 def device_defaults(device_type: str) -> dict[str, Any]:
@@ -333,7 +338,8 @@ class KvcachedConfig:
     or ``"off"`` (no record: nothing shared, nothing limited); ``max_cached_blocks`` is -1
     (unlimited), a block count >= 0 or ``"P%"`` of the pool (`cached_cap` turns it into
     blocks): the free cached blocks an *idle* engine keeps (a busy one caches as vLLM
-    does). ``host_reserve`` is what a CPU engine without a ``budget_bytes`` keeps free of
+    does); ``0 <= idle_grace_s <= 3600``: how long a served engine stays idle before that cap
+    applies (0: at the step that leaves it idle). ``host_reserve`` is what a CPU engine without a ``budget_bytes`` keeps free of
     KV when it derives the host record's limit (`kvcached.host`): bytes, ``"P%"`` of the
     host's memory, or None (``off``: no limit derived).
     """
@@ -348,6 +354,7 @@ class KvcachedConfig:
     budget_bytes: int | None = None
     budget_path: str | None = None
     max_cached_blocks: int | str = DEFAULT_MAX_CACHED
+    idle_grace_s: float = 0.0
     fault_plan: str | None = None
     background_refill: str = "auto"
     host_reserve: int | str | None = DEFAULT_HOST_RESERVE

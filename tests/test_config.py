@@ -41,7 +41,8 @@ VARS = {"retry_backoff_s": "KVCACHED_RETRY_BACKOFF_MS", "capacity_ttl_s": "KVCAC
         "map_retries": "KVCACHED_MAP_RETRIES", "min_reserve_pages": "KVCACHED_MIN_RESERVE_PAGES",
         "max_reserve_pages": "KVCACHED_MAX_RESERVE_PAGES", "page_size": "KVCACHED_PAGE_SIZE",
         "budget_bytes": "KVCACHED_BUDGET_BYTES", "max_cached_blocks": "KVCACHED_MAX_CACHED_BLOCKS",
-        "background_refill": "KVCACHED_BACKGROUND_REFILL", "host_reserve": "KVCACHED_HOST_RESERVE"}
+        "background_refill": "KVCACHED_BACKGROUND_REFILL", "host_reserve": "KVCACHED_HOST_RESERVE",
+        "idle_grace_s": "KVCACHED_IDLE_GRACE_MS"}
 
 # (field, a bad value in code, the same value as the variable's text)
 BAD = [
@@ -60,6 +61,8 @@ BAD = [
     ("max_cached_blocks", "101%", "101%"),
     ("background_refill", "sometimes", "sometimes"),
     ("host_reserve", "101%", "101%"),
+    ("idle_grace_s", 3600.5, "3600500"),
+    ("idle_grace_s", -0.001, "-1"),
 ]
 
 
@@ -108,8 +111,12 @@ def test_a_devices_defaults_come_under_the_variables_and_the_explicit_settings()
     """``defaults`` (`device_defaults`) fill only what neither the caller nor a variable set;
     unknown names in them are refused like explicit ones."""
     cuda = device_defaults("cuda")
-    assert cuda == {"hold_steps": 256} and device_defaults("cpu") == {} and device_defaults("") == {}
+    assert cuda == {"hold_steps": 256, "idle_grace_s": 1.0}
+    assert device_defaults("cpu") == {} and device_defaults("") == {}
     assert KvcachedConfig.resolve(env={}, defaults=cuda).hold_steps == 256
+    assert KvcachedConfig.resolve(env={}, defaults=cuda).idle_grace_s == 1.0
+    assert KvcachedConfig.resolve(env={"KVCACHED_IDLE_GRACE_MS": "0"}, defaults=cuda).idle_grace_s == 0.0
+    assert KvcachedConfig.resolve(env={"KVCACHED_IDLE_GRACE_MS": "250"}).idle_grace_s == 0.25
     assert KvcachedConfig.resolve(env={"KVCACHED_HOLD_STEPS": "0"}, defaults=cuda).hold_steps == 0
     assert KvcachedConfig.resolve(env={"KVCACHED_HOLD_STEPS": "0"}, defaults=cuda, hold_steps=5).hold_steps == 5
     assert KvcachedConfig.resolve(env={}).hold_steps == 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -31,6 +32,17 @@ class RankFacts:
             "mapped": sorted(p for kv in spaces for p in kv.pages.mapped),
             "copies": asdict(kvcached.copy_stats()),
         }
+
+
+def _until_fewer_mapped(llm: object, before: list[dict[str, object]], deadline_s: float) -> list[dict[str, object]]:
+    """Every rank's facts once rank 0 maps fewer pages than ``before`` says, or at the deadline;
+    only utility calls reach the engine meanwhile (no request, so no step)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        facts = llm.collective_rpc("kvcached_rank_facts")  # type: ignore[attr-defined]
+        if len(facts[0]["mapped"]) < len(before[0]["mapped"]) or time.monotonic() > end:
+            return facts
+        time.sleep(0.1)
 
 
 def main(job_path: str, out_path: str) -> None:
@@ -56,8 +68,13 @@ def main(job_path: str, out_path: str) -> None:
     for prompts in job["passes"]:
         res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         out["passes"].append([list(r.outputs[0].token_ids) for r in res])  # type: ignore[union-attr]
+    idle_since = time.monotonic()
     if job.get("kvcached"):
         out["ranks_after_run"] = llm.collective_rpc("kvcached_rank_facts")
+        out["after_run_s"] = time.monotonic() - idle_since
+        if "idle_watch_s" in job:  # the idle engine gives pages back with no step (its idle grace)
+            out["ranks_after_grace"] = _until_fewer_mapped(llm, out["ranks_after_run"], job["idle_watch_s"])
+            out["after_grace_s"] = time.monotonic() - idle_since
         llm.reset_prefix_cache()  # idle cached blocks go back: what stays mapped is the reserve
         out["ranks_after_reset"] = llm.collective_rpc("kvcached_rank_facts")
     out["client"] = type(llm.llm_engine.engine_core).__name__

@@ -8,6 +8,7 @@ Geometry: 4 blocks per kv page; block 0 is the null block, pinned on page 0.
 from __future__ import annotations
 
 import gc
+import queue
 
 import pytest
 from vllm.v1.core.block_pool import BlockPool
@@ -168,6 +169,39 @@ def test_cached_cap_evicts_page_aware_and_gives_pages_back(rigs) -> None:
     assert len(events) == 2 and all(type(e).__name__ == "BlockRemoved" for e in events)
     assert rig.mapped() == [0]
     pool.check()
+
+
+def test_an_idle_grace_defers_the_cap_to_the_engines_thread_and_a_step_cancels_it(rigs) -> None:
+    rig = rigs(max_cached_blocks=2, idle_grace_s=0.01)
+    pool = rig.pool
+    posted: queue.Queue = queue.Queue()  # the engine's idle loop: its thread (this one) runs what is posted
+    pool.set_idle_post(posted.put)
+    blocks = cached_request(pool, 4)  # ids 1, 2, 3 on page 0 and 4 on page 1
+    pool.free_blocks(reversed(blocks))
+    cached = lambda: [pool.state_of(b.block_id) for b in blocks].count("cached")
+    pool.collect()  # the idle step: the cap waits for the grace
+    assert cached() == 4 and rig.mapped() == [0, 1] and pool.idle_grace.armed
+    give_back = posted.get(timeout=30)
+    assert cached() == 4, "the timer's thread only posts"
+    pool.collect(busy=True)  # a request came first
+    give_back()
+    assert cached() == 4 and rig.mapped() == [0, 1] and not pool.idle_grace.armed
+    pool.collect()
+    pool.collect()  # an async engine's second idle step keeps the first one's deadline
+    posted.get(timeout=30)()  # idle through the grace: the cap, then the give-back
+    assert cached() == 2 and pool.state_of(4) == "clean" and rig.mapped() == [0]
+    assert posted.empty()
+    pool.check()
+
+
+def test_an_in_process_engine_applies_the_cap_at_once(rigs) -> None:
+    rig = rigs(max_cached_blocks=2, idle_grace_s=1.0)
+    pool = rig.pool
+    pool.set_idle_post(None)  # no engine thread to post to (``LLM`` without multiprocessing)
+    assert pool.idle_grace is None
+    pool.free_blocks(reversed(cached_request(pool, 4)))
+    pool.collect()
+    assert rig.mapped() == [0]
 
 
 @pytest.mark.parametrize(("setting", "kept"), [("default", 4), ("25%", 10), (-1, 16), (0, 0)])

@@ -23,6 +23,8 @@ pytestmark = [pytest.mark.multiprocess]
 CHILD = Path(__file__).with_name("mp_engine_child.py")
 PAGE = 64 << 10
 MAX_RESERVE = 4
+#: The kvcached engine's idle grace: no cached block is kept once it has idled this long.
+GRACE_S = 5.0
 MP_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "PYTHONHASHSEED": "0"}
 
 
@@ -46,8 +48,10 @@ def tp2_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path
     plan = work / "plan.json"
     plan.write_text(json.dumps({"plans": [{"site": "rank1_map", "skip": 1, "fail_next": 1}]}))
     env = {**MP_ENV, "KVCACHED_ENABLE": "1", "KVCACHED_PAGE_SIZE": str(PAGE),
-           "KVCACHED_MAX_RESERVE_PAGES": str(MAX_RESERVE), "KVCACHED_FAULT_PLAN": str(plan)}
-    kvcached = run_side(CHILD, {**_job(2), "kvcached": True}, work / "kvcached", env)
+           "KVCACHED_MAX_RESERVE_PAGES": str(MAX_RESERVE), "KVCACHED_FAULT_PLAN": str(plan),
+           "KVCACHED_MAX_CACHED_BLOCKS": "0", "KVCACHED_IDLE_GRACE_MS": str(int(GRACE_S * 1000))}
+    job = {**_job(2), "kvcached": True, "idle_watch_s": GRACE_S + 60}
+    kvcached = run_side(CHILD, job, work / "kvcached", env)
     return native, kvcached, plan, work
 
 
@@ -72,7 +76,21 @@ def test_tp2_ranks_hold_the_same_pages_and_return_them(tp2_runs: tuple[dict, dic
     _, kvcached, _, _ = tp2_runs
     run, idle = kvcached["ranks_after_run"], kvcached["ranks_after_reset"]
     # The batch rank 1 refused was undone on rank 0: both ranks map exactly the same pages.
-    assert run[0]["mapped"] == run[1]["mapped"] and len(run[0]["mapped"]) > 1 + MAX_RESERVE
+    assert run[0]["mapped"] == run[1]["mapped"]
     assert all(f["spaces"] == 1 for f in run + idle)
     # With the prefix cache reset nothing is in use: the null block's page and the reserve.
     assert idle[0]["mapped"] == idle[1]["mapped"] and len(idle[0]["mapped"]) <= 1 + MAX_RESERVE
+
+
+def test_tp2_engine_gives_its_cache_back_after_its_idle_grace_with_no_step(
+        tp2_runs: tuple[dict, dict, Path, Path]) -> None:
+    """The cap (0 cached blocks here) waits for the grace; then the EngineCore, idle and sent no
+    request, applies it on its own thread (woken through vLLM's idle callbacks) on both ranks."""
+    _, kvcached, _, work = tp2_runs
+    run, grace = kvcached["ranks_after_run"], kvcached["ranks_after_grace"]
+    log = "".join((work / "kvcached" / f).read_text() for f in ("stdout.txt", "stderr.txt"))
+    assert f"cached-block cap after {GRACE_S:g} s idle" in log
+    if kvcached["after_run_s"] < GRACE_S:  # looked before the grace ran out (always but on a stalled host)
+        assert len(run[0]["mapped"]) > 1 + MAX_RESERVE, "within the grace, cached blocks keep their pages"
+    assert grace[0]["mapped"] == grace[1]["mapped"] and len(grace[0]["mapped"]) <= 1 + MAX_RESERVE
+    assert kvcached["after_grace_s"] > GRACE_S / 2, "the cap waited for the grace"

@@ -46,7 +46,11 @@ from the cache against native's 17-43%), and memory it needs comes from reclaim 
 its limit, from `collect`. Memory other engines may want goes back when the engine idles, or
 when a limit (``kvctl``, or a device over its global budget) makes it give pages back. The cap,
 reclaim and the limit are the only places this pool departs from native eviction order, by
-design.
+design. A served engine may wait before applying the cap (``KvcachedConfig.idle_grace_s``, the
+CUDA default 1 s, `set_idle_post`): the idle step then arms a `kvcached.idle.IdleGrace`, the
+next busy step cancels it, and if none comes the cap and the give-back run on the engine's
+thread while it idles. Served traffic runs out of requests for milliseconds between waves, and
+each such gap cost the cache its prefix hits (reports/gpu/serving/run-12-07).
 
 Fault injection (`kvcached.faults`): the admission check runs site ``"admission"`` or
 ``"cow_admission"``; an injected failure maps and reclaims nothing and reports fewer
@@ -93,6 +97,7 @@ from kvcached.config import KvcachedConfig
 from kvcached.errors import InjectedFault, IntegrationError, InvariantError
 from kvcached.faults import FaultInjector
 from kvcached.fence import EngineStepFence, StepFence
+from kvcached.idle import IdleGrace, Post
 from kvcached.ledger import BlockLedger
 from kvcached.pages import PagePool
 from kvcached.space import KvSpace
@@ -140,7 +145,7 @@ class ElasticBlockPool(BlockPool):
     # path: ~0.1-0.2 us per running request per step, spread over vLLM's own functions).
     __slots__ = (
         "_admission", "_aliases", "_cached", "_cap", "_closed_detached", "_config", "_demand",
-        "_faults", "_fence", "_finalizer", "_logical_view", "_name", "_running_block_sizes",
+        "_faults", "_fence", "_finalizer", "_idle_grace", "_logical_view", "_name", "_running_block_sizes",
         "_step_tokens", "_stranded", "arena", "config", "faults", "fence", "ledger", "page_pool", "running_gate",
     )
 
@@ -184,6 +189,7 @@ class ElasticBlockPool(BlockPool):
         #: ``(groups, smallest block size)`` while `admit_running` may say yes, else None.
         self.running_gate: tuple[int, int] | None = None
         self._logical_view = False
+        self._idle_grace: IdleGrace | None = None  # `set_idle_post`
         self.arena: ElasticArena | None = None
         self._finalizer: weakref.finalize | None = None
         self._closed_detached = False
@@ -352,18 +358,54 @@ class ElasticBlockPool(BlockPool):
         if self.faults is not None:
             self.faults.trigger(name)
 
+    def set_idle_post(self, post: Post | None) -> None:
+        """Give the pool its engine's way to run a callable on the engine's thread while it
+        idles (`kvcached.integration.vllm.engine.idle_post`; None: an in-process engine, whose
+        thread is its caller's). With ``config.idle_grace_s`` > 0 and a ``post``, the cap
+        waits for the engine to stay idle that long (`collect`); otherwise it applies at the
+        idle step. Call after `attach`, before the first step."""
+        if self.arena is None:
+            raise InvariantError("set_idle_post needs an attached pool")
+        if self._idle_grace is not None:
+            self._idle_grace.close()
+        seconds = self.config.idle_grace_s
+        self._idle_grace = IdleGrace(seconds, post) if seconds > 0 and post is not None else None
+
+    @property
+    def idle_grace(self) -> IdleGrace | None:
+        """The pool's idle grace, or None where the cap applies at the idle step."""
+        return self._idle_grace
+
     def collect(self, *, busy: bool = False) -> int:
         """Unmap idle pages the fence allows (called after each executed step; ``busy``: the
         engine still has requests, so the reserve policy may hold pages, `PagePool.collect`).
 
         An idle engine (``busy`` False) first keeps its free cached blocks within the cap
-        (`_enforce_cap`), so the pages that empties go back in the same pass. Over its limit
-        (`PagePool.limit_pages`), the pool gives back idle reserve pages first, then empties
-        pages whose every held block is free but cached (fewest such blocks first; they go
-        out as the fence allows). Live blocks are never taken.
+        (`_enforce_cap`), so the pages that empties go back in the same pass; with an idle
+        grace, the cap and that give-back wait for it (`_grace_over`), and a busy step cancels
+        it. Over its limit (`PagePool.limit_pages`), the pool gives back idle reserve pages
+        first, then empties pages whose every held block is free but cached (fewest such
+        blocks first; they go out as the fence allows). Live blocks are never taken.
         """
-        if not busy:
+        grace = self._idle_grace
+        if grace is not None:
+            if busy:
+                grace.cancel()
+            elif not grace.armed:  # counted from the first idle step (an async engine takes two)
+                grace.arm(self._grace_over)
+        elif not busy:
             self._enforce_cap()
+        return self._give_back(busy)
+
+    def _grace_over(self) -> None:
+        """The engine stayed idle through its grace (on the engine's thread): apply the cap
+        and give back what it empties."""
+        if not self.closed:
+            self._enforce_cap()
+            self._give_back(busy=False)
+
+    def _give_back(self, busy: bool) -> int:
+        """`collect`'s unmaps: idle pages per the reserve policy, then what a limit takes."""
         unmapped = self.page_pool.collect(busy=busy)
         over = self.page_pool.over_limit()
         if over > 0 and self._clean_idle_pages(over):
@@ -727,6 +769,8 @@ class ElasticBlockPool(BlockPool):
         Idempotent and silent. Only for a stopped engine: the worker's KV views stay
         reserved but unmapped, so a step after this would fault.
         """
+        if self._idle_grace is not None:
+            self._idle_grace.close()
         if self._finalizer is None:
             self._closed_detached = True
         else:
@@ -735,6 +779,8 @@ class ElasticBlockPool(BlockPool):
     def abandon(self) -> None:
         """Close the books without unmapping: the ranks holding the pages are gone (their
         memory went with their processes). Idempotent."""
+        if self._idle_grace is not None:
+            self._idle_grace.close()
         if self._finalizer is not None:
             self._finalizer.detach()
         if self.arena is not None:

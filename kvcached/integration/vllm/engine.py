@@ -51,6 +51,7 @@ from kvcached.budget import BudgetRecord, EngineBudget, EngineShare
 from kvcached.config import KvcachedConfig
 from kvcached.config import engine_name as default_engine_name
 from kvcached.errors import IntegrationError, KvcachedError
+from kvcached.idle import Post
 from kvcached.integration.vllm.engine_config import device_type
 from kvcached.ranks import PageRequest, RankedPageSpace, RankLayout, RankReply, check_layouts
 from kvcached.space import KvSpace
@@ -211,6 +212,36 @@ def _elastic_pool(scheduler: Any) -> Any:
 
 
 SPACE_ATTRIBUTE = "_kvcached_space"
+#: Where `prepare` leaves the engine's `idle_post` for `attach` (None: an in-process engine).
+IDLE_POST_ATTRIBUTE = "_kvcached_idle_post"
+
+
+def idle_post(core: Any) -> Post | None:
+    """How the pool's idle grace runs its give-back on ``core``'s thread while it idles; None
+    for an in-process engine (``LLM`` without multiprocessing), whose thread is its caller's.
+
+    A served engine (`EngineCoreProc`: ``vllm serve``, ``AsyncLLM``, a multiprocess ``LLM``)
+    blocks on its input queue when it has no work, and each time that queue yields it first
+    runs and drops the callables on its ``_idle_state_callbacks`` (``_process_input_queue``,
+    vLLM 0.26.0-0.32.0, where pausing the engine uses the same list). A ``WAKEUP`` request,
+    which vLLM handles as nothing (its signal handlers send one to stop an idle engine), makes
+    the queue yield. The timer's thread appends and sends; the callable runs on the engine's.
+    """
+    queue = getattr(core, "input_queue", None)
+    if queue is None:
+        return None
+    from vllm.v1.engine import EngineCoreRequestType
+
+    wakeup = getattr(EngineCoreRequestType, "WAKEUP", None)
+    if wakeup is None or not callable(getattr(type(core), "_notify_idle_state_callbacks", None)):
+        raise IntegrationError(f"{type(core).__qualname__} has no idle callbacks or no WAKEUP request, which "
+                               "kvcached's idle grace needs (vLLM 0.26-0.32 have both); set KVCACHED_IDLE_GRACE_MS=0")
+
+    def post(action: Callable[[], None]) -> None:
+        core._idle_state_callbacks.append(lambda _core: action())
+        queue.put_nowait((wakeup, None))
+
+    return post
 
 
 def prepare(core: Any, kv_cache_config: Any) -> None:
@@ -236,13 +267,25 @@ def prepare(core: Any, kv_cache_config: Any) -> None:
     limiter = join_budgets(engine_name(core.vllm_config), [layout for layout, _ in replies], pages.kv_page_bytes)
     setattr(kv_cache_config, SPACE_ATTRIBUTE, KvSpace(geometry, premapped=premapped, config=config, pages=pages,
                                                       limiter=limiter))
+    post = idle_post(core) if config.idle_grace_s > 0 else None
+    setattr(kv_cache_config, IDLE_POST_ATTRIBUTE, post)
     _logger.info(
         "kvcached: elastic KV cache active on %d rank(s) (%s): %d kv pages of %d bytes, %d blocks, "
-        "VMM page %d bytes, reserve %d-%d pages%s, refills %s, %s", len(replies), type(executor).__name__,
+        "VMM page %d bytes, reserve %d-%d pages%s%s, refills %s, %s", len(replies), type(executor).__name__,
         geometry.num_kv_pages, pages.kv_page_bytes, geometry.num_blocks, geometry.page_size, config.min_reserve_pages,
         config.max_reserve_pages, f" (held over {config.hold_steps} busy steps)" if config.hold_steps else "",
+        grace_text(config.idle_grace_s, post),
         "on a background thread" if background else
         ("inline" if runs_inline(executor) else "through the executor's queues"), timeout_text(executor, timeout_s))
+
+
+def grace_text(seconds: float, post: Post | None) -> str:
+    """The idle grace as the start-up line gives it."""
+    if seconds <= 0:
+        return ""
+    if post is None:
+        return f", cached-block cap at once when idle (an in-process engine: no idle grace of {seconds:g} s)"
+    return f", cached-block cap after {seconds:g} s idle"
 
 
 def timeout_text(executor: Any, timeout_s: float) -> str:
@@ -303,6 +346,7 @@ def attach(scheduler: Any) -> None:
         raise IntegrationError(f"ranks reserved {space.geometry.num_blocks} KV blocks but the scheduler has "
                                f"{pool.num_gpu_blocks}: the two sides disagree on the KV geometry")
     pool.attach(space)
+    pool.set_idle_post(getattr(scheduler.kv_cache_config, IDLE_POST_ATTRIBUTE, None))
     pool.running_block_sizes = full_attention_block_sizes(scheduler.kv_cache_manager)
     pool.set_step_tokens(int(scheduler.scheduler_config.max_num_batched_tokens))
 
