@@ -52,7 +52,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, obje
     model = with_tokenizer(ensure_model(ARCHETYPES["llama"].model), work / "model")
     prompts = parity_prompts(24)
     out: dict[str, dict[str, object]] = {}
-    sides = [ServerSpec("kvcached", True, extra_env=(("KVCACHED_PAGE_SIZE", str(64 << 10)),)),
+    # The kvcached server idles between requests sent one at a time and between phases: with an
+    # idle grace (a CUDA engine's default) each request cancels it, and longer gaps let it run out.
+    sides = [ServerSpec("kvcached", True, extra_env=(("KVCACHED_PAGE_SIZE", str(64 << 10)),
+                                                     ("KVCACHED_IDLE_GRACE_MS", "200"))),
              ServerSpec("native", False), ServerSpec("native-control", False)]
     # The serving benchmark's client, started before the first server (its vLLM import overlaps
     # the start, as in the benchmark), runs its phases against the last one.
@@ -74,6 +77,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, obje
 
 def test_server_reports_kvcached_active_and_native_alone(served: dict[str, dict[str, object]]) -> None:
     assert ACTIVE_LINE in str(served["kvcached"]["log"])
+    assert "cached-block cap after 0.2 s idle" in str(served["kvcached"]["log"])
     assert ACTIVE_LINE not in str(served["native"]["log"])
     log = str(served["kvcached"]["log"])
     # Nothing failed while serving. At SIGTERM vLLM's own output handler may log an
