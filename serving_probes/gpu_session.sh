@@ -29,7 +29,9 @@
 # 140), and the dense in-process conformance rows on V2 and V1 (114 s and 99 s,
 # reports/gpu/conformance/run-12-07). Next, in order:
 #   1. the sharing run again: its bursts are streamed since, so it measures each request's time
-#      to first token on both sides (how long B's burst waits for memory), three calls;
+#      to first token on both sides (how long B's burst waits for memory), three calls; its
+#      servers now hold their cache 1 s after each burst (the CUDA idle grace): on CPU with the
+#      grace set (12-07, a local run) idle-to-pages-free was 1.004-1.014 s and every check held;
 #   2. the cached-block cap's share of the rate phase's miss on the GPU, an ablation on the same
 #      machine: --kvcached-env KVCACHED_MAX_CACHED_BLOCKS=-1 (servers of ~70 s: 10 in ~800 s);
 #   3. the serving rows the default run leaves out, a model per run: --models 1b-eager, then
