@@ -194,6 +194,21 @@ def test_an_idle_grace_defers_the_cap_to_the_engines_thread_and_a_step_cancels_i
     pool.check()
 
 
+def test_a_give_back_posted_before_the_pool_closed_does_nothing(rigs) -> None:
+    rig = rigs(max_cached_blocks=0, idle_grace_s=0.01)
+    pool = rig.pool
+    posted: queue.Queue = queue.Queue()
+    pool.set_idle_post(posted.put)
+    pool.free_blocks(reversed(cached_request(pool, 4)))
+    pool.collect()
+    give_back = posted.get(timeout=30)
+    pool.close()  # the engine stopped while the give-back waited for its thread
+    cap_runs = []
+    pool._enforce_cap = lambda: cap_runs.append(1)  # type: ignore[method-assign]
+    give_back()
+    assert cap_runs == [] and not pool.idle_grace.armed and pool.closed
+
+
 def test_an_in_process_engine_applies_the_cap_at_once(rigs) -> None:
     rig = rigs(max_cached_blocks=2, idle_grace_s=1.0)
     pool = rig.pool

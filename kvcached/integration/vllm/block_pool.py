@@ -399,10 +399,10 @@ class ElasticBlockPool(BlockPool):
 
     def _grace_over(self) -> None:
         """The engine stayed idle through its grace (on the engine's thread): apply the cap
-        and give back what it empties."""
-        if not self.closed:
-            self._enforce_cap()
-            self._give_back(busy=False)
+        and give back what it empties. Never after `close` or `abandon`: both close the grace
+        first, which makes a give-back already posted a no-op."""
+        self._enforce_cap()
+        self._give_back(busy=False)
 
     def _give_back(self, busy: bool) -> int:
         """`collect`'s unmaps: idle pages per the reserve policy, then what a limit takes."""
