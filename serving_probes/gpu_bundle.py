@@ -1,6 +1,6 @@
 """An offline bundle of CUDA vLLM 0.26.0 for an air-gapped Hopper host (Python 3.12, torch 2.11.0+cu130).
 
-    python -m serving_probes.gpu_bundle build --out .gpu/bundle [--part-mib 41] [--vllm-wheel PATH] [--wheels-dir PATH]
+    python -m serving_probes.gpu_bundle build --out .gpu/bundle [--part-mib 32] [--vllm-wheel PATH] [--wheels-dir PATH]
     python -m serving_probes.gpu_bundle verify --bundle DIR [--groups core,moe]
     python -m serving_probes.gpu_bundle install --bundle DIR --target DIR [--repo PATH] [--groups core,moe]
                                                 [--skip-kvcached] [--no-probe]
@@ -60,9 +60,9 @@ MANIFEST_NAME = "manifest.json"
 MIB = 1 << 20
 #: A part travels in one call of 64 MiB together with the repository's tracked files (6.9 MB on
 #: 12-04, 18.2 MB on 12-05 when 48 MiB parts no longer fit, 16 MB once reports keep their step
-#: logs as .xz, 19.1 MiB on 12-07 when 44 MiB parts no longer fit): 41 MiB leaves them room to grow,
-#: and the core group still takes three calls.
-DEFAULT_PART_MIB = 41
+#: logs as .xz, 19.1 MiB on 12-07 when 44 MiB parts no longer fit, 21.6 MiB after that day's
+#: reports): 32 MiB leaves them 10 MiB to grow, and the core group (85 MiB) still takes three calls.
+DEFAULT_PART_MIB = 32
 #: The largest part this tool writes (the copy onto the host moves parts one file at a time); the default
 #: stays a few MiB below it.
 MAX_PART_MIB = 60

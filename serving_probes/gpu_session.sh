@@ -46,9 +46,9 @@
 # The map-rate probe: `python3 -m serving_probes.map_rate_probe --device cuda --out
 # /tmp/gpu-out/map-rate.json` (8 s after install; `--switch-interval-ms 0.5` for the GIL's share;
 # `--render --out reports/gpu/map-rate/map-rate.json` renders the committed report again here).
-# Parts are 41 MiB since 12-07 (the tracked tree grew to 19.1 MiB, 22 MiB on disk, and a call with a
-# 44 MiB part was refused as over 64 MiB; 48 MiB parts stopped fitting at 18 MB on 12-05); rebuild the
-# bundle with `gpu_bundle build` if its parts are larger.
+# Parts are 32 MiB since the end of 12-07 (the tracked tree grew to 21.6 MiB with that day's reports;
+# at 19.1 MiB a call with a 44 MiB part was refused as over 64 MiB; 48 MiB parts stopped fitting at
+# 18 MB on 12-05); rebuild the bundle with `gpu_bundle build` if its parts are larger.
 #   fg 560 serving python3 benchmarks/bench_serving.py --device cuda --models 1b --rounds 3 --step-times \
 #       --out /tmp/gpu-out/serving --logs /tmp/gpu-out/serving/logs
 #       --time-budget SECS (a few s under fg's): no server starts that would not end in the call;
