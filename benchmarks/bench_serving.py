@@ -88,7 +88,13 @@ NUM_WARMUPS = 2
 MIN_VERDICT_ROUNDS = 3
 KVCACHED_PAGE_SIZE = 64 << 10
 PHASE_ORDER = ("saturation", "rate", "overload")
-PHASE_SEEDS = {"saturation": 101, "rate": 102, "overload": 103}  # other prompts per phase: no cross-phase hits
+#: Another seed per phase draws other prompts, but not other prefixes: vLLM's random dataset makes
+#: each prompt a run of consecutive token ids from a random start, and with the 1,024-token
+#: vocabulary (`conformance.models.VOCAB_SIZE`) two prompts that start at the same id share every
+#: block. Phases therefore hit on the cache the phase before left: on an H100 (run-12-07b) native's
+#: first request of the rate phase computed 16 of its 1,024 prompt tokens. A kvcached engine that
+#: idles between phases longer than its idle grace (1.5-2.5 s measured) has given that cache back.
+PHASE_SEEDS = {"saturation": 101, "rate": 102, "overload": 103}
 V2_LINE = "Using V2 Model Runner"  # vLLM's worker logs it once when it builds Model Runner V2
 
 

@@ -309,11 +309,14 @@ DEFAULT_HOST_RESERVE = "10%"
 #: start. Measured on an H100 (reports/gpu/serving/diag-12-05): 92 slow steps and 1.55 s of a
 #: 10.5 s saturation phase without holding, 20 and 0.39 s with it. On a CPU an mmap costs
 #: microseconds, and an engine gives back what it does not use at every step's end.
-#: A served CUDA engine also applies the cached-block cap only once it has been idle for a
-#: second (``idle_grace_s``): on an H100 (reports/gpu/serving/run-12-07, round 1) a saturation
-#: burst whose waves of equal requests ended together ran out of requests for 10-20 ms four
-#: times, the cap applied each time, and the burst's prefix hits fell from 22.4% to 7.7%.
-_DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {"cuda": {"hold_steps": 256, "idle_grace_s": 1.0}}
+#: A served CUDA engine also applies the cached-block cap only once it has been idle for 250 ms
+#: (``idle_grace_s``): on an H100 (reports/gpu/serving/run-12-07, round 1) a saturation burst
+#: whose waves of equal requests ended together ran out of requests for 10-20 ms four times, the
+#: cap applied each time, and the burst's prefix hits fell from 22.4% to 7.7%. The grace is also
+#: how long a neighbour's burst may wait for this engine's memory: with 1 s (the default until
+#: 12-07) an idle engine's pages were free 1.02-1.05 s after its last response on the GPU
+#: (reports/gpu/sharing-serve). 250 ms outlasts the measured gaps more than tenfold.
+_DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {"cuda": {"hold_steps": 256, "idle_grace_s": 0.25}}
 
 
 def device_defaults(device_type: str) -> dict[str, Any]:

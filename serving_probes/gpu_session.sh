@@ -22,23 +22,21 @@
 # H200 timings (12-04): staging 10 s, install 52-57 s; the V1 matrix with 8 jobs: hybrids 406 s,
 # llama and qwen3 244 s; nemotron_h alone 373 s; V2 dense mp rows 154 s; the GPU engine tests
 # 374 s; bench_serving 1b: a server ~85 s to start, a phase ~33 s (7 phase runs in 510 s).
-# The next session's calls, in order of need (issue 30). Done 12-07 (an H100, three tries refused
-# first, 1,612 s of the lease): the map-rate probe (8 s, reports/gpu/map-rate), the 1b run with all
-# 5 rounds on 064ae57 (reports/gpu/serving/run-12-07: servers of 65-100 s, 10 in 796 s over three
-# calls: fg 290 --time-budget 280 with the install, fg 560 --time-budget 550, fg 150 --time-budget
-# 140), and the dense in-process conformance rows on V2 and V1 (114 s and 99 s,
-# reports/gpu/conformance/run-12-07). Next, in order:
-#   1. the sharing run again: its bursts are streamed since, so it measures each request's time
-#      to first token on both sides (how long B's burst waits for memory), three calls; its
-#      servers now hold their cache 1 s after each burst (the CUDA idle grace): on CPU with the
-#      grace set (12-07, a local run) idle-to-pages-free was 1.004-1.014 s and every check held;
-#   2. the cached-block cap's share of the rate phase's miss on the GPU, an ablation on the same
-#      machine: --kvcached-env KVCACHED_MAX_CACHED_BLOCKS=-1 (servers of ~70 s: 10 in ~800 s);
+# The next session's calls, in order of need (issue 30). Done 12-07 morning (an H100, 1,612 s of
+# the lease): the map-rate probe, the 1b run's 5 rounds on 064ae57 (reports/gpu/serving/run-12-07)
+# and the dense in-process conformance rows. Done 12-07 afternoon (an H100 after one refused start,
+# 181 s lost; servers of 89-142 s with their phases): the sharing run with the 1 s
+# grace (reports/gpu/sharing-serve: native 204 s, shared 105 s, retrial 182 s; a native side under
+# fg 220 was cut) and 5 of the 1b run's 10 servers (reports/gpu/serving/run-12-07b: fg 470
+# --time-budget 460 with the install, 3 servers; fg 280 --time-budget 270, 2). Next, in order:
+#   1. the 1b run with the 250 ms grace, 5 rounds (89-142 s a server on that host: 10 in ~1,200 s,
+#      three calls); run-12-07b (1 s grace) cannot be resumed on this tree;
+#   2. the cached-block cap's share of the rate phase's miss, --kvcached-env
+#      KVCACHED_MAX_CACHED_BLOCKS=-1 (run-12-07b: the gaps between phases, 1.5-2.5 s, outlast any
+#      grace, and the next phase's prompts share prefixes with the last's);
 #   3. the serving rows the default run leaves out, a model per run: --models 1b-eager, then
 #      1b-v1, then hybrid;
-#   4. after a cut in kvcached's scheduler time per running request, or an idle grace for the cap,
-#      the 1b run again beside the `before` build of its parent commit (a before/after on one
-#      machine).
+#   4. the sharing run with the 250 ms grace (three calls, ~500 s).
 #      If the lease ends first, the next session can finish the same run only on the same tree:
 #      commit the partial report, then there `mkdir -p /tmp/gpu-out/serving && cp
 #      reports/gpu/serving/RUN/serving.partial.json /tmp/gpu-out/serving/` before `--resume` (the

@@ -111,12 +111,12 @@ def test_a_devices_defaults_come_under_the_variables_and_the_explicit_settings()
     """``defaults`` (`device_defaults`) fill only what neither the caller nor a variable set;
     unknown names in them are refused like explicit ones."""
     cuda = device_defaults("cuda")
-    assert cuda == {"hold_steps": 256, "idle_grace_s": 1.0}
+    assert cuda == {"hold_steps": 256, "idle_grace_s": 0.25}
     assert device_defaults("cpu") == {} and device_defaults("") == {}
     assert KvcachedConfig.resolve(env={}, defaults=cuda).hold_steps == 256
-    assert KvcachedConfig.resolve(env={}, defaults=cuda).idle_grace_s == 1.0
+    assert KvcachedConfig.resolve(env={}, defaults=cuda).idle_grace_s == 0.25
     assert KvcachedConfig.resolve(env={"KVCACHED_IDLE_GRACE_MS": "0"}, defaults=cuda).idle_grace_s == 0.0
-    assert KvcachedConfig.resolve(env={"KVCACHED_IDLE_GRACE_MS": "250"}).idle_grace_s == 0.25
+    assert KvcachedConfig.resolve(env={"KVCACHED_IDLE_GRACE_MS": "1000"}, defaults=cuda).idle_grace_s == 1.0
     assert KvcachedConfig.resolve(env={"KVCACHED_HOLD_STEPS": "0"}, defaults=cuda).hold_steps == 0
     assert KvcachedConfig.resolve(env={"KVCACHED_HOLD_STEPS": "0"}, defaults=cuda, hold_steps=5).hold_steps == 5
     assert KvcachedConfig.resolve(env={}).hold_steps == 0
