@@ -244,7 +244,7 @@ def soak(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def sharing(session: nox.Session) -> None:
     """Two `vllm serve` engines sharing one budget record against a native static split:
-    the report, its checks and the timeline plot go to reports/sharing/ (about 6 minutes)."""
+    the report, its checks and the timeline plot go to reports/sharing/ (about 7 minutes)."""
     python = _shared_env(session)
     _run(session, python, "-m", "conformance.sharing", *session.posargs)
 

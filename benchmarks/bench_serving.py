@@ -812,26 +812,14 @@ def _method(doc: dict[str, Any]) -> str:
 
 
 def kvcached_env(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
-    """``--kvcached-env`` items (``KVCACHED_NAME=VALUE``) as pairs, each checked by kvcached's own
-    config parser, so a bad name or value stops the run before any server starts."""
-    from kvcached.config import ENV_NAMES, KvcachedConfig
-    from kvcached.errors import ConfigError
+    """``--kvcached-env`` items as pairs (`conformance.kvcached_env`): a bad name or value stops
+    the run before any server starts."""
+    from conformance.kvcached_env import KvcachedEnvError, parse_kvcached_env
 
-    pairs = []
-    for item in items:
-        name, eq, value = item.partition("=")
-        if not eq or not name.startswith("KVCACHED_") or name in ("KVCACHED_ENABLE", "KVCACHED_FAULT_PLAN"):
-            raise SystemExit(f"--kvcached-env {item!r}: want KVCACHED_<knob>=VALUE, a knob of kvcached's config "
-                             "(not KVCACHED_ENABLE or a fault plan)")
-        pairs.append((name, value))
-    env = dict(pairs)
-    if unknown := sorted(set(env) - ENV_NAMES):
-        raise SystemExit(f"--kvcached-env: not a knob of kvcached's config: {', '.join(unknown)}")
     try:
-        KvcachedConfig.resolve(env)
-    except ConfigError as e:
-        raise SystemExit(f"--kvcached-env: {e}") from None
-    return tuple(pairs)
+        return parse_kvcached_env(items)
+    except KvcachedEnvError as e:
+        raise SystemExit(str(e)) from None
 
 
 def build(doc: dict[str, Any]) -> Report:

@@ -36,7 +36,8 @@
 #      grace, and the next phase's prompts share prefixes with the last's);
 #   3. the serving rows the default run leaves out, a model per run: --models 1b-eager, then
 #      1b-v1, then hybrid;
-#   4. the sharing run with the 250 ms grace (three calls, ~500 s).
+#   4. the sharing run with the 250 ms grace (three calls, ~500 s), now with its handover step:
+#      how long B's burst sent as A's ends waits for A's memory (CPU, 250 ms: 0.156 s against 0.065 s).
 #      If the lease ends first, the next session can finish the same run only on the same tree:
 #      commit the partial report, then there `mkdir -p /tmp/gpu-out/serving && cp
 #      reports/gpu/serving/RUN/serving.partial.json /tmp/gpu-out/serving/` before `--resume` (the

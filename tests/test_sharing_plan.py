@@ -46,3 +46,22 @@ def test_a_gpu_plan_serves_as_users_do_and_the_cpu_plan_is_unchanged() -> None:
     assert cuda.page_size % (2 * MiB) == 0 and cuda.device == "cuda"
     assert SharingPlan().server("native-A", "llama", False) == ServerSpec("native-A", False)
     assert SharingPlan().max_model_len == 1024
+
+
+def test_kvcached_env_reaches_the_shared_engines_after_the_scenarios_own_knobs(tmp_path) -> None:
+    """``--kvcached-env``: more settings for the kvcached side, after the scenario's own, which it
+    may not set (its checks depend on them); a bad item is refused before any engine starts."""
+    from conformance.kvcached_env import KvcachedEnvError, parse_kvcached_env
+    from conformance.sharing.report import main
+    from conformance.sharing.run import SCENARIO_KNOBS
+
+    extra = parse_kvcached_env(["KVCACHED_IDLE_GRACE_MS=250"], SCENARIO_KNOBS)
+    env = SharingPlan(kvcached_env=extra).engine_env("A-llama", tmp_path / "rec")
+    assert [k for k, _ in env] == [*SCENARIO_KNOBS, "KVCACHED_IDLE_GRACE_MS"] and env[-1][1] == "250"
+    assert SharingPlan().engine_env("A-llama", tmp_path / "rec") == env[:-1]
+    with pytest.raises(KvcachedEnvError, match="KVCACHED_MAX_CACHED_BLOCKS set by the run itself"):
+        parse_kvcached_env(["KVCACHED_MAX_CACHED_BLOCKS=-1"], SCENARIO_KNOBS)
+    for bad in ("KVCACHED_PAGE_SIZE=4096", "KVCACHED_IDLE_GRACE_MS=-1", "GRACE=1"):
+        with pytest.raises(SystemExit):  # argparse's error: nothing started, no --out written
+            main(["--kvcached-env", bad, "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()

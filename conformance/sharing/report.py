@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pandas as pd  # type: ignore[import-untyped]  # no pandas-stubs in the environment
 
+from conformance.kvcached_env import KvcachedEnvError, parse_kvcached_env
 from conformance.reporting import (
     Image,
     Paragraph,
@@ -34,7 +35,17 @@ from conformance.reporting import (
 )
 from conformance.serving import exit_on_sigterm
 from conformance.serving.retrial import MAX_RETRIED, TIE, Difference, NoiseFloor
-from conformance.sharing.run import SIDES, Burst, MiB, SharingPlan, SharingResult, SharingStateError, run
+from conformance.sharing.run import (
+    SCENARIO_KNOBS,
+    SIDES,
+    Burst,
+    Handover,
+    MiB,
+    SharingPlan,
+    SharingResult,
+    SharingStateError,
+    run,
+)
 
 PROG = "python -m conformance.sharing"
 FIGURE = "timeline.png"
@@ -78,7 +89,7 @@ def checks(r: SharingResult) -> list[Check]:
     noise = NoiseFloor.of(native)
     planted = r.planted
     served = sum(b.completed for b in completed)
-    return [
+    found = [
         Check("budget never exceeded", used <= budget and len(r.samples) > 0,
               f"max usage {used / MiB:.2f} MiB of {budget / MiB:.2f} MiB over {len(r.samples)} samples"),
         Check("every request completed (but the killed engine's)", all(b.completed == b.requests for b in completed),
@@ -104,6 +115,20 @@ def checks(r: SharingResult) -> list[Check]:
               "not planted" if planted is None else f"planted at {_retried(planted)}, above native's noise "
               f"({_floor(noise)})"),
     ]
+    if r.handover is not None:  # runs from 12-07 on (step 4b)
+        found.append(handover_check(r.handover, r.b0_over_s))
+    return found
+
+
+def handover_check(h: Handover, after_idle_s: float | None) -> Check:
+    """Step 4b: B's burst, sent as A's ended, got the memory A held; how long that took, beside
+    the same time for B0, sent once A was idle (B's own ramp)."""
+    over = f"B over {h.above_bytes / MiB:.2f} MiB (the budget less A's peak of {h.a_peak_bytes / MiB:.2f} MiB)"
+    ramp = "-" if after_idle_s is None else f"{after_idle_s:.2f} s"
+    detail = (f"{over} {h.wait_s:.2f} s after its burst began (B0, sent once A was idle: {ramp})"
+              if h.wait_s is not None else f"B never passed {h.above_bytes / MiB:.2f} MiB (the budget less A's peak)")
+    return Check("B's burst sent as A's ended got A's memory", h.wait_s is not None,
+                 f"{detail}; B's peak {h.b_peak_bytes / MiB:.2f} MiB")
 
 
 def _floor(noise: NoiseFloor) -> str:
@@ -129,7 +154,7 @@ def plot(r: SharingResult, path: Path) -> None:
 
     budget = int(r.plan["budget_bytes"]) / MiB  # type: ignore[call-overload]
     df = pd.DataFrame(r.samples, columns=["t", "A", "B", "used", "limit"])
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=False,
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=False,
                                       gridspec_kw={"height_ratios": [3, 1.3]})
     # B at the bottom, so that B's own limit reads straight off the axis.
     top.stackplot(df.t, df.B / MiB, df.A / MiB, labels=["engine B (qwen3)", "engine A (llama)"],
@@ -167,13 +192,13 @@ def _native_panel(ax, r: SharingResult, budget: float) -> None:
             if b is not None:
                 ax.text(rect.get_x() + rect.get_width() / 2, rect.get_height(), f"{b.end_s - b.start_s:.1f} s",
                         ha="center", va="bottom", fontsize=7)
-    names = {"B1": "B1 (kvcached: B limited)"}
-    ax.set_xticks(x, [f"{names.get(b.label, b.label)}, {b.requests} req" for b in r.native_bursts])
+    names = {"B1": "B1 (kvcached: B limited)", "B handover": "B as A ended"}
+    ax.set_xticks(x, [f"{names.get(b.label, b.label)}\n{b.requests} req" for b in r.native_bursts], fontsize=8)
     ax.set_ylabel("KV MiB for the burst")
-    ax.set_ylim(0, budget * 1.25)
+    ax.set_ylim(0, budget * 1.6)  # room above the bars for the legend
     ax.set_title("the same bursts, native with the memory split statically: a burst gets its engine's half, "
                  "never the idle half of the other (labels: burst wall time)", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper center", ncol=2)
 
 
 def _check_rows(found: list[Check]) -> Table:
@@ -278,9 +303,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sides", default=",".join(SIDES),
                         help=f"comma-separated, of {','.join(SIDES)} in that order (default: all): a run in parts, "
                              f"each going on from --out/{STATE} (a lent GPU's call lasts minutes)")
+    parser.add_argument("--kvcached-env", action="append", default=[], metavar="KVCACHED_NAME=VALUE",
+                        help="a kvcached setting for the shared side's engines (repeatable), e.g. "
+                             "KVCACHED_IDLE_GRACE_MS=250; not one the scenario sets itself")
     args = parser.parse_args(argv)
     plan = (SharingPlan.cuda(args.quick) if args.device == "cuda"
             else SharingPlan.quick() if args.quick else SharingPlan())
+    try:
+        plan = replace(plan, kvcached_env=parse_kvcached_env(args.kvcached_env, SCENARIO_KNOBS))
+    except KvcachedEnvError as e:
+        parser.error(str(e))
     if args.render:
         result = SharingResult.load(args.render)
     else:

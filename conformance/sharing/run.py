@@ -16,6 +16,10 @@ multiprocess engine, share one budget record (``KVCACHED_BUDGET_PATH``, global l
 4. **Burst/idle cycles** on both engines: at every idle point each engine is at its
    watermark, and the servers' open file descriptors and memfds are the same at the last
    cycle as at the first.
+4b. **The handover**: A's burst, then B's long burst sent the moment A's last response is in,
+   while A may still hold its cached blocks (its idle grace, `KVCACHED_IDLE_GRACE_MS`). How
+   long B's burst waits for A's memory is the time until B's charge passes the budget less
+   A's peak; native runs the same two bursts on its static halves.
 5. **A is killed with SIGKILL in the middle of a burst**, and B's next burst takes A's
    memory: the record reclaims a dead engine's charge.
 
@@ -71,6 +75,10 @@ from conformance.serving.server import (
 )
 
 MiB = 1 << 20
+#: The kvcached settings the scenario sets itself (`SharingPlan.engine_env`): its checks depend on
+#: them (the budget, the watermark of null page and reserve, a cap of 0 so that idle is empty).
+SCENARIO_KNOBS = ("KVCACHED_BUDGET_PATH", "KVCACHED_BUDGET_BYTES", "KVCACHED_ENGINE_NAME", "KVCACHED_PAGE_SIZE",
+                  "KVCACHED_MAX_CACHED_BLOCKS", "KVCACHED_MAX_RESERVE_PAGES")
 ENGINES = (("A", "llama"), ("B", "qwen3"))  # engine label -> archetype (two different models)
 Reference = dict[str, list[retrial.Reference]]  # burst key -> (tokens, margins) per request
 
@@ -102,6 +110,9 @@ class SharingPlan:
     #: server and this process, and beside a hog (12-06) that spread a burst's requests over
     #: seconds, so B never needed what A gave back and the check could not see it.
     stream: bool = False
+    #: More kvcached settings for the shared side's engines (``--kvcached-env``), after the
+    #: scenario's own (`SCENARIO_KNOBS`, which these may not set): an idle grace on the CPU, say.
+    kvcached_env: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def quick(cls) -> SharingPlan:
@@ -123,9 +134,11 @@ class SharingPlan:
                           dtype=model_spec(arch, self.device).torch_dtype, eager=self.eager, device=self.device)
 
     def engine_env(self, name: str, record: Path) -> tuple[tuple[str, str], ...]:
-        return (("KVCACHED_BUDGET_PATH", str(record)), ("KVCACHED_BUDGET_BYTES", str(self.budget_bytes)),
-                ("KVCACHED_ENGINE_NAME", name), ("KVCACHED_PAGE_SIZE", str(self.page_size)),
-                ("KVCACHED_MAX_CACHED_BLOCKS", "0"), ("KVCACHED_MAX_RESERVE_PAGES", str(self.max_reserve_pages)))
+        own = (("KVCACHED_BUDGET_PATH", str(record)), ("KVCACHED_BUDGET_BYTES", str(self.budget_bytes)),
+               ("KVCACHED_ENGINE_NAME", name), ("KVCACHED_PAGE_SIZE", str(self.page_size)),
+               ("KVCACHED_MAX_CACHED_BLOCKS", "0"), ("KVCACHED_MAX_RESERVE_PAGES", str(self.max_reserve_pages)))
+        assert tuple(k for k, _ in own) == SCENARIO_KNOBS
+        return own + self.kvcached_env
 
 
 # ---- results --------------------------------------------------------------------------------
@@ -142,6 +155,20 @@ class Burst:
     differences: list[Difference] = field(default_factory=list)  # requests that differ from the reference
     peak_bytes: int = 0
     ttft_s: list[float] = field(default_factory=list)  # each completed request's, when streamed
+
+
+@dataclass
+class Handover:
+    """Step 4b: B's burst sent as A's ended. ``wait_s``: from B's burst's start to B's charge
+    over ``above_bytes`` (the budget less A's peak: B is on memory A gave back), None if it
+    never got there; ``b_peak_bytes``: B's largest charge read meanwhile. The same time for B0,
+    sent once A was back at its watermark, is B's own ramp (`SharingResult.b0_over_s`): the
+    difference is the wait for A's memory."""
+
+    a_peak_bytes: int
+    above_bytes: int
+    b_peak_bytes: int
+    wait_s: float | None
 
 
 @dataclass
@@ -165,6 +192,8 @@ class SharingResult:
     exits: dict[str, int] = field(default_factory=dict)
     planted: Difference | None = None  # the retrial's negative control: must stay unexplained
     environment: dict[str, str] = field(default_factory=dict)  # the report's block (`conformance.reporting`)
+    handover: Handover | None = None  # None: a run from before step 4b (12-07)
+    b0_over_s: float | None = None  # B0 (sent once A was idle): seconds to B's charge over the budget less A's peak
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), separators=(",", ":")))
@@ -184,6 +213,8 @@ class SharingResult:
         data["marks"] = [tuple(m) for m in data["marks"]]
         if data.get("planted") is not None:
             data["planted"] = Difference(**data["planted"])
+        if data.get("handover") is not None:
+            data["handover"] = Handover(**data["handover"])
         return cls(**data)
 
 
@@ -346,6 +377,15 @@ def after_limit_index(plan: SharingPlan) -> int:
     return 3 + plan.cycles
 
 
+def handover_bursts(plan: SharingPlan) -> dict[str, tuple[str, list[list[int]], int]]:
+    """Step 4b's bursts by label, in the order sent: A's (after its killed one's index), then B's
+    long one (after every other B burst's). Timed, not compared: their tokens are the
+    scheduler's business, the rest of the run compares every other request."""
+    n, m = plan.burst, plan.max_tokens
+    return {"A handover": ("A", prompts(plan, "A", 2 + plan.cycles, n), m),
+            "B handover": ("B", prompts(plan, "B", 4 + plan.cycles, n), LONG * m)}
+
+
 @functools.cache
 def compared_bursts(plan: SharingPlan) -> dict[str, tuple[str, list[list[int]], int]]:
     """`burst_plan` by burst key (``A0``, ``B1``, ...): engine, prompts and max tokens (read, never
@@ -387,38 +427,51 @@ class Stage:
         say(f"  {label}")
 
     def burst(self, engine: str, index: int, n: int | None = None, label: str = "", max_tokens: int = 0,
-              tokens: tuple[int, int] | None = None) -> Burst:
-        batch = prompts(self.plan, engine, index, n, tokens)
+              tokens: tuple[int, int] | None = None, batch: list[list[int]] | None = None) -> Burst:
+        """Burst ``index`` of ``engine`` (or ``batch``, uncompared), sent at once; its tokens are
+        compared with the reference of ``ENGINEindex`` where there is one."""
+        batch = prompts(self.plan, engine, index, n, tokens) if batch is None else batch
         start = self.now()
         got = send_burst(self.servers[engine], batch, max_tokens or self.plan.max_tokens, self.plan.stream)
         done = Burst(engine, label or f"{engine}{index}", round(start, 3), round(self.now(), 3), len(batch),
                      sum(t is not None for t in got), ttft_s=ttfts_of(got))
-        ref = self.reference.get(f"{engine}{index}")
+        ref = self.reference.get(f"{engine}{index}") if index >= 0 else None
         if ref is not None:
             done.differences = differences(tokens_of(got), ref)
         done.peak_bytes = self.sampler.peak(engine, start)
         self.result.bursts.append(done)
         return done
 
-    def burst_read(self, engine: str, above: int, index: int, n: int | None, max_tokens: int) -> tuple[Burst, int]:
+    def burst_read(self, engine: str, above: int, index: int, n: int | None, max_tokens: int, label: str = "",
+                   batch: list[list[int]] | None = None) -> tuple[Burst, int, float | None]:
         """`burst` on a thread of its own while ``engine``'s charge is read from the record
-        (`charge_until` ``above``): the burst, and the largest charge read."""
+        (`charge_over` ``above``): the burst, the largest charge read, and the seconds from the
+        burst's start to the read that saw the charge over ``above`` (None: never)."""
         with ThreadPoolExecutor(max_workers=1) as pool:
-            running = pool.submit(self.burst, engine, index, n, "", max_tokens)
-            seen = self.charge_until(engine, above, running)
-            return running.result(timeout=600), seen
+            start = self.now()
+            running = pool.submit(self.burst, engine, index, n, label, max_tokens, None, batch)
+            seen, at = self.charge_over(engine, above, running)
+            return running.result(timeout=600), seen, None if at is None else round(at - start, 3)
 
     def charge_until(self, engine: str, above: int, running: Future[Burst]) -> int:
+        """``engine``'s largest charge read from the record (`charge_over`)."""
+        return self.charge_over(engine, above, running)[0]
+
+    def charge_over(self, engine: str, above: int, running: Future[Burst]) -> tuple[int, float | None]:
         """``engine``'s largest charge read from the record (every 10 ms, a reader of its own)
-        until it is over ``above`` or ``running`` ends."""
+        until it is over ``above`` or ``running`` ends, and the stage time of the read that saw
+        it over (None: it never was)."""
         from kvcached.budget import BudgetRecord
 
-        seen = 0
+        seen, at = 0, None
         with BudgetRecord(str(self.record), create=False) as rec:
-            while seen <= above and not running.done():
+            while not running.done():
                 seen = max(seen, engine_charge(rec.snapshot(), self.names[engine]))
+                if seen > above:
+                    at = self.now()
+                    break
                 time.sleep(0.01)
-        return seen
+        return seen, at
 
     def idle(self, engine: str) -> None:
         """Wait for ``engine`` to be back at its watermark; record how long that took."""
@@ -446,6 +499,12 @@ def native_side(plan: SharingPlan, work: Path, result: SharingResult) -> Referen
             result.native_bursts.append(Burst(engine, key, round(start, 3), round(time.monotonic() - t0, 3),
                                               len(batch), sum(t is not None for t in got),
                                               differences(tokens_of(got), reference[key]), plan.budget_bytes // 2,
+                                              ttfts_of(got)))
+        for key, (engine, batch, m) in handover_bursts(plan).items():  # one after the other, as step 4b
+            start = time.monotonic() - t0
+            got = send_burst(by[engine], batch, m, plan.stream)
+            result.native_bursts.append(Burst(engine, key, round(start, 3), round(time.monotonic() - t0, 3),
+                                              len(batch), sum(t is not None for t in got), [], plan.budget_bytes // 2,
                                               ttfts_of(got)))
         planted = retrial.plant(reference["A0"], random.Random(0))
         result.planted = retry_in_burst(plan, by["A"], "A0", planted, random.Random(1))
@@ -508,7 +567,8 @@ def run_scenario(stage: Stage) -> None:
     # B's peak is read from the record while the burst runs too (`burst_read`, up to what
     # shows B used memory A gave back), not only by the sampler: beside a CPU hog the
     # sampler's reads came 1-2 s apart (12-05) and can miss a peak.
-    b0, seen = stage.burst_read("B", plan.budget_bytes - a0.peak_bytes, 0, None, LONG * plan.max_tokens)
+    b0, seen, result.b0_over_s = stage.burst_read("B", plan.budget_bytes - a0.peak_bytes, 0, None,
+                                                  LONG * plan.max_tokens)
     b0.peak_bytes = max(b0.peak_bytes, seen)
     stage.idle("B")
     limited_burst(stage)
@@ -519,7 +579,23 @@ def run_scenario(stage: Stage) -> None:
             stage.burst(engine, index)
             stage.idle(engine)
             result.fds.setdefault(engine, []).append(list(settled_descriptors(stage.servers[engine])))
+    handover(stage)
     kill_a(stage)
+
+
+def handover(stage: Stage) -> None:
+    """Step 4b: A's burst, then B's long one the moment A's last response is in. How long B
+    waits for the memory A still holds (its idle grace), read from the record as B's charge
+    passing the budget less A's peak."""
+    plan, result = stage.plan, stage.result
+    (a_label, (_, a_batch, a_max)), (b_label, (_, b_batch, b_max)) = handover_bursts(plan).items()
+    stage.mark("handover: B's burst as A's ends")
+    a = stage.burst("A", -1, label=a_label, max_tokens=a_max, batch=a_batch)
+    above = plan.budget_bytes - a.peak_bytes
+    b, seen, wait_s = stage.burst_read("B", above, -1, None, b_max, b_label, b_batch)
+    result.handover = Handover(a.peak_bytes, above, max(seen, b.peak_bytes), wait_s)
+    wait_until(lambda: stage.sampler.latest("A") <= result.watermark_bytes["A"], plan.idle_timeout_s)
+    stage.idle("B")
 
 
 def limited_burst(stage: Stage) -> None:
@@ -584,7 +660,7 @@ def kill_a(stage: Stage) -> None:
     # the record while the burst runs, not on the sampler catching a peak: beside a CPU hog the
     # sampler went 6 s between reads (12-05).
     above = plan.budget_bytes - result.a_at_kill_bytes
-    _, seen = stage.burst_read("B", above, 2 + plan.cycles, 2 * plan.burst, LONG * plan.max_tokens)
+    _, seen, _ = stage.burst_read("B", above, 2 + plan.cycles, 2 * plan.burst, LONG * plan.max_tokens)
     result.b_after_kill_peak_bytes = max(stage.sampler.peak("B", start), seen)
     stage.idle("B")
 

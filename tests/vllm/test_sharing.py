@@ -47,7 +47,13 @@ def test_the_scenario_ran_whole(shared: SharingResult) -> None:
     assert len(shared.fds["A"]) == len(shared.fds["B"]) == SharingPlan.quick().cycles
     assert [m for _, m in shared.marks if m.startswith(("kvctl", "SIGKILL"))] == [
         "kvctl limit B", "kvctl clear B", "SIGKILL A"]
-    assert shared.exits["B"] == 0 and len(shared.native_bursts) == 4
+    assert shared.exits["B"] == 0 and len(shared.native_bursts) == 6
+    # Step 4b, before the kill: A's burst, then B's the moment A's responses were in, on both sides.
+    assert labels[-4:-2] == ["A handover", "B handover"]
+    assert [b.label for b in shared.native_bursts[-2:]] == ["A handover", "B handover"]
+    handover = shared.handover
+    assert handover is not None and handover.wait_s is not None and handover.b_peak_bytes > handover.above_bytes
+    assert shared.b0_over_s is not None  # B0's ramp, the handover's baseline
     # The CPU plan does not stream (`SharingPlan.stream`): no time to first token is kept.
     assert not shared.plan["stream"] and all(not b.ttft_s for b in [*shared.bursts, *shared.native_bursts])
 
@@ -88,6 +94,8 @@ def test_each_check_sees_a_real_failure(shared: SharingResult) -> None:
     assert failing(lambda r: setattr(r, "planted", dataclasses.replace(r.planted, reproduced=1))) == {planted}
     assert failing(lambda r: setattr(r, "planted", None)) == {planted}
     assert failing(lambda r: setattr(r, "b_after_kill_peak_bytes", 0)) == {"B took the memory of A after SIGKILL"}
+    assert failing(lambda r: setattr(r, "handover", dataclasses.replace(r.handover, wait_s=None))) == {
+        "B's burst sent as A's ended got A's memory"}
 
 
 def test_reports_are_written(shared: SharingResult, tmp_path: Path) -> None:
@@ -101,6 +109,7 @@ def test_reports_are_written(shared: SharingResult, tmp_path: Path) -> None:
     assert "| planted in A0 (control) " in text and "| 0 of 8 " in text
     shared.save(tmp_path / "result.json")  # what `--render` reads back (JSON: tuples come back as lists)
     loaded = SharingResult.load(tmp_path / "result.json")
-    assert (loaded.bursts, loaded.native_bursts, loaded.planted) == (shared.bursts, shared.native_bursts, shared.planted)
+    assert (loaded.bursts, loaded.native_bursts, loaded.planted, loaded.handover) == (
+        shared.bursts, shared.native_bursts, shared.planted, shared.handover)
     assert checks(loaded) == checks(shared)
 
