@@ -300,6 +300,16 @@ class BlockLedger:
         blocks, free, is_held = self._free_heap[page], self._free_per_page[page], self._held
         got = 0
         need = n - len(chosen)
+        if need >= len(free):
+            # Every free block of the page (a prefill's blocks fill whole pages): sorted at
+            # once instead of popped one by one; the heap, all stale then, is emptied.
+            taken = sorted(free)
+            free.clear()
+            blocks.clear()
+            for b in taken:
+                is_held[b] = 1
+            chosen.extend(taken)
+            got = len(taken)
         while got < need and free:
             b = heapq.heappop(blocks)
             if b in free:  # else stale, or a duplicate of a block just taken
@@ -402,8 +412,9 @@ class BlockLedger:
             if free:
                 self._open_remove(held, page)
             free.update(blocks)
-            # Onto the page's heap, or, once it would be mostly stale, the heap rebuilt.
-            if len(heap) + len(blocks) > 2 * len(free) + _FREE_HEAP_SLACK:
+            # Onto the page's heap, or the heap rebuilt (a sorted list is a heap): once it would be
+            # mostly stale, or when the page is left with no held block (a request's whole pages).
+            if held == len(blocks) or len(heap) + len(blocks) > 2 * len(free) + _FREE_HEAP_SLACK:
                 heap[:] = sorted(free)
             else:
                 for b in blocks:

@@ -47,6 +47,39 @@ class Limiter(Protocol):
     def close(self) -> None: ...
 
 
+class WindowMax:
+    """The largest of the last ``size`` values pushed (0 when there are none), in O(1)
+    amortized a push: a deque of (push index, value) with values strictly decreasing from
+    the front, so the front is the window's maximum. `ReservePolicy` pushes once a busy step;
+    with 256-step windows, ``max`` over plain deques cost 8 µs a step (12-07)."""
+
+    __slots__ = ("_pushed", "_queue", "size")
+
+    def __init__(self, size: int) -> None:
+        if size < 0:
+            raise ConfigError(f"a window of {size} values: need >= 0")
+        self.size = size
+        self._queue: deque[tuple[int, int]] = deque()
+        self._pushed = 0
+
+    def push(self, value: int) -> None:
+        if not self.size:
+            return  # a window of 0 keeps nothing
+        queue = self._queue
+        while queue and queue[-1][1] <= value:
+            queue.pop()  # never the maximum again: ``value`` is newer and as large
+        queue.append((self._pushed, value))
+        self._pushed += 1
+        if queue[0][0] < self._pushed - self.size:  # one push moves the window by one
+            queue.popleft()
+
+    def max(self) -> int:
+        return self._queue[0][1] if self._queue else 0
+
+    def clear(self) -> None:
+        self._queue.clear()
+
+
 @dataclass(slots=True)
 class ReservePolicy:
     """How many idle mapped pages the pool keeps ahead of demand.
@@ -86,10 +119,10 @@ class ReservePolicy:
     pace: int = 0
     taken_this_step: int = 0
     busy: bool = False
-    #: Pages in use at the end of each of the last ``hold_steps`` busy steps.
-    in_use_lately: deque[int] = field(default_factory=deque)
-    #: Pages taken during each of the last ``hold_steps`` busy steps.
-    taken_lately: deque[int] = field(default_factory=deque)
+    #: The most pages in use at the end of one of the last ``hold_steps`` busy steps.
+    in_use_lately: WindowMax = field(default_factory=lambda: WindowMax(0))
+    #: The most pages taken during one of the last ``hold_steps`` busy steps.
+    taken_lately: WindowMax = field(default_factory=lambda: WindowMax(0))
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_pages <= self.max_pages:
@@ -97,8 +130,8 @@ class ReservePolicy:
                               "need 0 <= min <= max")
         if self.hold_steps < 0 or self.step_pages < 0:
             raise ConfigError(f"hold_steps={self.hold_steps} and step_pages={self.step_pages} need to be >= 0")
-        self.in_use_lately = deque(maxlen=self.hold_steps)
-        self.taken_lately = deque(maxlen=self.hold_steps)
+        self.in_use_lately = WindowMax(self.hold_steps)
+        self.taken_lately = WindowMax(self.hold_steps)
 
     @classmethod
     def from_config(cls, config: KvcachedConfig) -> ReservePolicy:
@@ -116,10 +149,10 @@ class ReservePolicy:
         self.pace = max(taken, self.pace - 1)
         self.busy = busy
         if busy:
-            self.in_use_lately.append(in_use)  # a maxlen of 0 keeps nothing
-            self.taken_lately.append(taken)
-            if in_use >= max(self.in_use_lately, default=0):
-                self.pace = max(self.pace, max(self.taken_lately, default=0))
+            self.in_use_lately.push(in_use)
+            self.taken_lately.push(taken)
+            if in_use >= self.in_use_lately.max():
+                self.pace = max(self.pace, self.taken_lately.max())
         else:
             self.in_use_lately.clear()
             self.taken_lately.clear()
@@ -130,7 +163,7 @@ class ReservePolicy:
         by, if more."""
         if not self.busy:
             return self.max_pages
-        return max(self.max_pages, self.target(), max(self.in_use_lately, default=0) - in_use)
+        return max(self.max_pages, self.target(), self.in_use_lately.max() - in_use)
 
     def ceiling(self) -> int:
         """The most pages the reserve refills to: ``max_pages``, or busy, ``step_pages`` if more."""

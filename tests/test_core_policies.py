@@ -12,6 +12,8 @@ import inspect
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvcached.pages
 from kvcached.budget import LocalBudget
@@ -30,6 +32,7 @@ from kvcached.policies import (
     Quarantine,
     ReservePolicy,
     RetryPolicy,
+    WindowMax,
 )
 from kvcached.ranks import RankedPageSpace
 from kvcached.space import plan_geometry
@@ -128,7 +131,22 @@ def test_a_holding_reserve_keeps_the_pace_of_its_busiest_recent_step() -> None:
     held.took(8)
     held.end_step(in_use=16, busy=True)
     held.end_step(busy=False)
-    assert (held.pace, held.target(), list(held.taken_lately)) == (7, 4, []), "idle: forgotten, the watermark"
+    assert (held.pace, held.target(), held.taken_lately.max()) == (7, 4, 0), "idle: forgotten, the watermark"
+
+
+@settings(max_examples=300, deadline=None)
+@given(size=st.integers(0, 6), values=st.lists(st.integers(0, 20), max_size=40))
+def test_a_window_max_is_the_max_of_the_last_values(size: int, values: list[int]) -> None:
+    """`WindowMax` against its definition: the max of the last ``size`` values pushed (0: none)."""
+    window = WindowMax(size)
+    for i, value in enumerate(values):
+        window.push(value)
+        last = values[max(0, i + 1 - size):i + 1] if size else []
+        assert window.max() == max(last, default=0)
+    window.clear()
+    assert window.max() == 0
+    with pytest.raises(ConfigError):
+        WindowMax(-1)
 
 
 def test_engine_limit_answers_as_unbounded_without_a_limit() -> None:
