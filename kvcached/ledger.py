@@ -238,13 +238,25 @@ class BlockLedger:
             raise InvariantError(f"allocate({n}) with {self.num_free} free blocks")
         if n <= self.backed_free:
             return self._take_mapped(n, wait)  # an admission's blocks, a decode step's block: no map
+        self._check_usable(n)
+        draining = self.pool.draining
+        if draining and n > self.usable_free - sum(len(self._free_per_page[p]) for p in draining if p < self.num_pages):
+            # `choose` is not offered pages whose unmap is in flight: wanted now, they are
+            # waited for (Hypothesis found allocate raising InvariantError here, 12-07: maps
+            # failed while a busy step's unmaps were in flight).
+            self.pool.drain()
+            self._check_usable(n)  # a refused unmap left its page quarantined
+        blocks = self.choose(n)
+        self.hold(blocks, wait=wait)
+        return blocks
+
+    def _check_usable(self, n: int) -> None:
+        """`PhysicalMemoryExhausted` if fewer than ``n`` free blocks are usable: the others sit
+        on quarantined pages."""
         if n > (usable := self.usable_free):
             raise PhysicalMemoryExhausted(
                 f"allocate({n}): {usable} usable free blocks; {self.num_free - usable} more sit on quarantined "
                 f"kv pages {sorted(self.pool.quarantined)} (an unmap failed there; retried by collect)")
-        blocks = self.choose(n)
-        self.hold(blocks, wait=wait)
-        return blocks
 
     def _take_mapped(self, n: int, wait: bool) -> list[int]:
         """`allocate` of ``n`` <= `backed_free` blocks: `choose`'s blocks, held in the same

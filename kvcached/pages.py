@@ -590,6 +590,14 @@ class PagePool:
         with self._lock:
             self._confirm(wait=wait, on_path=False)
 
+    def drain(self) -> None:
+        """Wait for every unmap in flight: the scheduler wants their pages (`lowest_unmapped`
+        never offers one before it is settled). Counted as blocking unmaps; a page a backing
+        refused to unmap is quarantined, as at any settle."""
+        with self._lock:
+            if self.draining:
+                self._settle_unmaps(True)
+
     def is_mapped(self, page: int) -> bool:
         """Whether ``page`` is mapped and usable (in use or in the reserve; not quarantined)."""
         with self._lock:

@@ -491,3 +491,32 @@ TestRankedDeferred.settings = settings(
     max_examples=300, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+def test_an_allocation_waits_for_the_unmaps_in_flight_it_needs() -> None:
+    """Hypothesis's find (12-07), kept as a fixed case: maps failed on one rank while a busy
+    step's unmaps were in flight, so the free blocks an allocation needed sat on draining
+    pages, which the page choice is never offered; `allocate` raised `InvariantError`. It now
+    waits for those unmaps (`PagePool.drain`) and allocates."""
+    machine = RankedDeferredMachine()
+
+    def check() -> None:
+        machine.backings_hold_the_books()
+        machine.free_pages_are_free()
+        machine.quarantine_is_known_and_unused()
+
+    steps = [lambda: machine.admission_check(n=5), machine.a_busy_step_gives_pages_back_without_waiting,
+             lambda: machine.allocate(n=8, wait=False), *[machine.a_busy_step_gives_pages_back_without_waiting] * 3,
+             lambda: machine.backend_keeps_refusing_unmaps(backing=0, rank=1, times=4),
+             lambda: machine.backend_fails(backing=0, exhausted=False, nth=1, op="map", rank=0),
+             lambda: machine.backend_fails(backing=0, exhausted=False, nth=2, op="map", rank=0),
+             lambda: machine.admission_check(n=1), lambda: machine.admission_check(n=5),
+             machine.a_busy_step_gives_pages_back_without_waiting,
+             lambda: machine.allocate(n=5, wait=False), lambda: machine.allocate(n=5, wait=False)]
+    try:
+        for step in steps:
+            step()
+            check()
+        assert len(machine.held) >= 8 + 5, "the allocations after the failed maps got their blocks"
+    finally:
+        machine.teardown()
