@@ -492,20 +492,16 @@ def native_side(plan: SharingPlan, work: Path, result: SharingResult) -> Referen
             reference[key] = [by[engine].complete_with_margins(p, m) for p in batch]
         say(f"  reference: {sum(len(b) for _, b, _ in bursts.values())} requests, each alone")
         t0 = time.monotonic()
-        for key in ("A0", "B0", "B1", f"B{2 + plan.cycles}"):
-            engine, batch, m = bursts[key]
+        timed = [(key, *bursts[key]) for key in ("A0", "B0", "B1", f"B{2 + plan.cycles}")]
+        timed += [(key, *burst) for key, burst in handover_bursts(plan).items()]  # one after the other, as step 4b
+        for key, engine, batch, m in timed:
             start = time.monotonic() - t0
             got = send_burst(by[engine], batch, m, plan.stream)
+            ref = reference.get(key)  # the handover's bursts are timed only
             result.native_bursts.append(Burst(engine, key, round(start, 3), round(time.monotonic() - t0, 3),
                                               len(batch), sum(t is not None for t in got),
-                                              differences(tokens_of(got), reference[key]), plan.budget_bytes // 2,
-                                              ttfts_of(got)))
-        for key, (engine, batch, m) in handover_bursts(plan).items():  # one after the other, as step 4b
-            start = time.monotonic() - t0
-            got = send_burst(by[engine], batch, m, plan.stream)
-            result.native_bursts.append(Burst(engine, key, round(start, 3), round(time.monotonic() - t0, 3),
-                                              len(batch), sum(t is not None for t in got), [], plan.budget_bytes // 2,
-                                              ttfts_of(got)))
+                                              [] if ref is None else differences(tokens_of(got), ref),
+                                              plan.budget_bytes // 2, ttfts_of(got)))
         planted = retrial.plant(reference["A0"], random.Random(0))
         result.planted = retry_in_burst(plan, by["A"], "A0", planted, random.Random(1))
     return reference
