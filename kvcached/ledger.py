@@ -96,7 +96,11 @@ class BlockLedger:
         quarantined = self.pool.quarantined
         if not quarantined:
             return self.num_free
-        return self.num_free - sum(len(self._free_per_page[p]) for p in quarantined if p < self.num_pages)
+        return self.num_free - self._free_on(quarantined)
+
+    def _free_on(self, pages: Iterable[int]) -> int:
+        """Free blocks on ``pages`` (pages past this ledger's count none). O(len(pages))."""
+        return sum(len(self._free_per_page[p]) for p in pages if p < self.num_pages)
 
     def page_of(self, block_id: int) -> int:
         return block_id // self.blocks_per_page
@@ -240,7 +244,7 @@ class BlockLedger:
             return self._take_mapped(n, wait)  # an admission's blocks, a decode step's block: no map
         self._check_usable(n)
         draining = self.pool.draining
-        if draining and n > self.usable_free - sum(len(self._free_per_page[p]) for p in draining if p < self.num_pages):
+        if draining and n > self.usable_free - self._free_on(draining):
             # `choose` is not offered pages whose unmap is in flight: wanted now, they are
             # waited for (Hypothesis found allocate raising InvariantError here, 12-07: maps
             # failed while a busy step's unmaps were in flight).
