@@ -75,10 +75,6 @@ from conformance.serving.server import (
 )
 
 MiB = 1 << 20
-#: The kvcached settings the scenario sets itself (`SharingPlan.engine_env`): its checks depend on
-#: them (the budget, the watermark of null page and reserve, a cap of 0 so that idle is empty).
-SCENARIO_KNOBS = ("KVCACHED_BUDGET_PATH", "KVCACHED_BUDGET_BYTES", "KVCACHED_ENGINE_NAME", "KVCACHED_PAGE_SIZE",
-                  "KVCACHED_MAX_CACHED_BLOCKS", "KVCACHED_MAX_RESERVE_PAGES")
 ENGINES = (("A", "llama"), ("B", "qwen3"))  # engine label -> archetype (two different models)
 Reference = dict[str, list[retrial.Reference]]  # burst key -> (tokens, margins) per request
 
@@ -134,11 +130,18 @@ class SharingPlan:
                           dtype=model_spec(arch, self.device).torch_dtype, eager=self.eager, device=self.device)
 
     def engine_env(self, name: str, record: Path) -> tuple[tuple[str, str], ...]:
-        own = (("KVCACHED_BUDGET_PATH", str(record)), ("KVCACHED_BUDGET_BYTES", str(self.budget_bytes)),
-               ("KVCACHED_ENGINE_NAME", name), ("KVCACHED_PAGE_SIZE", str(self.page_size)),
-               ("KVCACHED_MAX_CACHED_BLOCKS", "0"), ("KVCACHED_MAX_RESERVE_PAGES", str(self.max_reserve_pages)))
-        assert tuple(k for k, _ in own) == SCENARIO_KNOBS
-        return own + self.kvcached_env
+        return self.own_env(name, record) + self.kvcached_env
+
+    def own_env(self, name: str, record: Path) -> tuple[tuple[str, str], ...]:
+        """The kvcached settings the scenario sets itself: its checks depend on them (the budget, the
+        watermark of null page and reserve, a cap of 0 so that idle is empty)."""
+        return (("KVCACHED_BUDGET_PATH", str(record)), ("KVCACHED_BUDGET_BYTES", str(self.budget_bytes)),
+                ("KVCACHED_ENGINE_NAME", name), ("KVCACHED_PAGE_SIZE", str(self.page_size)),
+                ("KVCACHED_MAX_CACHED_BLOCKS", "0"), ("KVCACHED_MAX_RESERVE_PAGES", str(self.max_reserve_pages)))
+
+
+#: The names of `SharingPlan.own_env`: ``--kvcached-env`` may not set them.
+SCENARIO_KNOBS = tuple(k for k, _ in SharingPlan().own_env("", Path()))
 
 
 # ---- results --------------------------------------------------------------------------------
@@ -377,13 +380,19 @@ def after_limit_index(plan: SharingPlan) -> int:
     return 3 + plan.cycles
 
 
-def handover_bursts(plan: SharingPlan) -> dict[str, tuple[str, list[list[int]], int]]:
-    """Step 4b's bursts by label, in the order sent: A's (after its killed one's index), then B's
-    long one (after every other B burst's). Timed, not compared: their tokens are the
-    scheduler's business, the rest of the run compares every other request."""
+#: A step 4b burst: engine, burst index, requests, max tokens, prompt lengths.
+HandoverBurst = tuple[str, int, int, int, tuple[int, int]]
+
+
+def handover_bursts(plan: SharingPlan) -> dict[str, HandoverBurst]:
+    """Step 4b's bursts by label, in the order sent. A's is the killed burst's kind (twice the
+    requests, long outputs, prompts three times as long), so that A holds memory however its
+    requests reach the server; B's is B's long one. A's index comes after its killed burst's, B's
+    after every other B burst's, so neither is in `burst_plan`: they are timed, not compared (the
+    rest of the run compares every other request)."""
     n, m = plan.burst, plan.max_tokens
-    return {"A handover": ("A", prompts(plan, "A", 2 + plan.cycles, n), m),
-            "B handover": ("B", prompts(plan, "B", 4 + plan.cycles, n), LONG * m)}
+    return {"A handover": ("A", 2 + plan.cycles, 2 * n, LONG * m, held_prompt_tokens(plan)),
+            "B handover": ("B", 4 + plan.cycles, n, LONG * m, plan.prompt_tokens)}
 
 
 @functools.cache
@@ -427,35 +436,31 @@ class Stage:
         say(f"  {label}")
 
     def burst(self, engine: str, index: int, n: int | None = None, label: str = "", max_tokens: int = 0,
-              tokens: tuple[int, int] | None = None, batch: list[list[int]] | None = None) -> Burst:
-        """Burst ``index`` of ``engine`` (or ``batch``, uncompared), sent at once; its tokens are
-        compared with the reference of ``ENGINEindex`` where there is one."""
-        batch = prompts(self.plan, engine, index, n, tokens) if batch is None else batch
+              tokens: tuple[int, int] | None = None) -> Burst:
+        """Burst ``index`` of ``engine``, sent at once; its tokens are compared with the reference
+        of ``ENGINEindex`` where there is one."""
+        batch = prompts(self.plan, engine, index, n, tokens)
         start = self.now()
         got = send_burst(self.servers[engine], batch, max_tokens or self.plan.max_tokens, self.plan.stream)
         done = Burst(engine, label or f"{engine}{index}", round(start, 3), round(self.now(), 3), len(batch),
                      sum(t is not None for t in got), ttft_s=ttfts_of(got))
-        ref = self.reference.get(f"{engine}{index}") if index >= 0 else None
+        ref = self.reference.get(f"{engine}{index}")
         if ref is not None:
             done.differences = differences(tokens_of(got), ref)
         done.peak_bytes = self.sampler.peak(engine, start)
         self.result.bursts.append(done)
         return done
 
-    def burst_read(self, engine: str, above: int, index: int, n: int | None, max_tokens: int, label: str = "",
-                   batch: list[list[int]] | None = None) -> tuple[Burst, int, float | None]:
+    def burst_read(self, engine: str, above: int, index: int, n: int | None, max_tokens: int,
+                   label: str = "", tokens: tuple[int, int] | None = None) -> tuple[Burst, int, float | None]:
         """`burst` on a thread of its own while ``engine``'s charge is read from the record
         (`charge_over` ``above``): the burst, the largest charge read, and the seconds from the
         burst's start to the read that saw the charge over ``above`` (None: never)."""
         with ThreadPoolExecutor(max_workers=1) as pool:
             start = self.now()
-            running = pool.submit(self.burst, engine, index, n, label, max_tokens, None, batch)
+            running = pool.submit(self.burst, engine, index, n, label, max_tokens, tokens)
             seen, at = self.charge_over(engine, above, running)
             return running.result(timeout=600), seen, None if at is None else round(at - start, 3)
-
-    def charge_until(self, engine: str, above: int, running: Future[Burst]) -> int:
-        """``engine``'s largest charge read from the record (`charge_over`)."""
-        return self.charge_over(engine, above, running)[0]
 
     def charge_over(self, engine: str, above: int, running: Future[Burst]) -> tuple[int, float | None]:
         """``engine``'s largest charge read from the record (every 10 ms, a reader of its own)
@@ -493,7 +498,8 @@ def native_side(plan: SharingPlan, work: Path, result: SharingResult) -> Referen
         say(f"  reference: {sum(len(b) for _, b, _ in bursts.values())} requests, each alone")
         t0 = time.monotonic()
         timed = [(key, *bursts[key]) for key in ("A0", "B0", "B1", f"B{2 + plan.cycles}")]
-        timed += [(key, *burst) for key, burst in handover_bursts(plan).items()]  # one after the other, as step 4b
+        timed += [(key, engine, prompts(plan, engine, index, n, tokens), m)  # one after the other, as step 4b
+                  for key, (engine, index, n, m, tokens) in handover_bursts(plan).items()]
         for key, engine, batch, m in timed:
             start = time.monotonic() - t0
             got = send_burst(by[engine], batch, m, plan.stream)
@@ -584,12 +590,19 @@ def handover(stage: Stage) -> None:
     waits for the memory A still holds (its idle grace), read from the record as B's charge
     passing the budget less A's peak."""
     plan, result = stage.plan, stage.result
-    (a_label, (_, a_batch, a_max)), (b_label, (_, b_batch, b_max)) = handover_bursts(plan).items()
+    (a_label, (_, a_index, a_n, a_max, a_tokens)), (b_label, (_, b_index, b_n, b_max, b_tokens)) = \
+        handover_bursts(plan).items()
     stage.mark("handover: B's burst as A's ends")
-    a = stage.burst("A", -1, label=a_label, max_tokens=a_max, batch=a_batch)
-    above = plan.budget_bytes - a.peak_bytes
-    b, seen, wait_s = stage.burst_read("B", above, -1, None, b_max, b_label, b_batch)
-    result.handover = Handover(a.peak_bytes, above, max(seen, b.peak_bytes), wait_s)
+    # A's peak is read from the record through its whole burst (a charge over the budget never
+    # comes), not only by the sampler, whose reads came seconds apart beside a CPU hog (12-05).
+    # Beside a hog (12-07) A's burst of the plan's own kind ran within its reserve pages: its
+    # peak was its watermark, so B's bar was all B could ever have, and B never passed it. Hence
+    # A's killed-burst kind of burst (`handover_bursts`).
+    a, a_seen, _ = stage.burst_read("A", plan.budget_bytes, a_index, a_n, a_max, a_label, a_tokens)
+    a_peak = max(a.peak_bytes, a_seen)
+    above = plan.budget_bytes - a_peak
+    b, seen, wait_s = stage.burst_read("B", above, b_index, b_n, b_max, b_label, b_tokens)
+    result.handover = Handover(a_peak, above, max(seen, b.peak_bytes), wait_s)
     wait_until(lambda: stage.sampler.latest("A") <= result.watermark_bytes["A"], plan.idle_timeout_s)
     stage.idle("B")
 
@@ -639,10 +652,10 @@ def kill_a(stage: Stage) -> None:
         # Its prompts are three times as long, so that each request holds its share from its
         # prefill on and a few at once fill a third: with the plan's prompts, arriving in waves
         # beside a CPU hog, all 32 were served without A's charge passing a third (CI, 12-05).
-        # The wait reads the record itself (`charge_until`), not the sampler's latest row.
+        # The wait reads the record itself (`charge_over`), not the sampler's latest row.
         killed = pool.submit(stage.burst, "A", 1 + plan.cycles, 2 * plan.burst, "A (killed)",
                              LONG * plan.max_tokens, held_prompt_tokens(plan))
-        result.a_at_kill_bytes = stage.charge_until("A", plan.budget_bytes // 3, killed)
+        result.a_at_kill_bytes, _ = stage.charge_over("A", plan.budget_bytes // 3, killed)
         if killed.done():
             raise ServerError(f"A's killed burst ended before A held a third of the budget "
                               f"(at most {result.a_at_kill_bytes / MiB:.2f} MiB)")
