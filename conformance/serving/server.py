@@ -72,18 +72,25 @@ class ServerSpec:
 
 
 def with_tokenizer(model_dir: Path, out_dir: Path) -> Path:
-    """A copy of ``model_dir`` with a word-level tokenizer (``t<id>`` per token) beside it."""
+    """A copy of ``model_dir`` with a word-level tokenizer beside it: a word per id of the model's
+    vocabulary (its config's ``vocab_size``), ``t<id>`` but for pad, bos and eos (0-2). Every
+    word encodes to its one id, and every id decodes to its word."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     if (out_dir / "tokenizer.json").is_file():
         return out_dir
     shutil.copytree(model_dir, out_dir, dirs_exist_ok=True)
-    vocab = {f"t{i}": i for i in range(VOCAB_SIZE)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    vocab_size = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    # The special tokens' words are no ``t<id>``: a tokenizer splits every word at its special
+    # tokens first, so with specials named t0-t2 "t10" encoded as t1, t0 (a quarter of the 1,024
+    # ids of the tiny models, and of every random prompt, were such pairs until 12-07).
+    specials = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    vocab = specials | {f"t{i}": i for i in range(len(specials), vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0", bos_token="t1",
-                                   eos_token="t2")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<pad>", pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
     fast.save_pretrained(out_dir)
     return out_dir
 
