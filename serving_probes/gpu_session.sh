@@ -28,12 +28,14 @@
 # 181 s lost; servers of 89-142 s with their phases): the sharing run with the 1 s
 # grace (reports/gpu/sharing-serve: native 204 s, shared 105 s, retrial 182 s; a native side under
 # fg 220 was cut) and 5 of the 1b run's 10 servers (reports/gpu/serving/run-12-07b: fg 470
-# --time-budget 460 with the install, 3 servers; fg 280 --time-budget 270, 2). Next, in order:
-#   1. the 1b run with the 250 ms grace, 5 rounds (89-142 s a server on that host: 10 in ~1,200 s,
-#      three calls); run-12-07b (1 s grace) cannot be resumed on this tree;
-#   2. the cached-block cap's share of the rate phase's miss, --kvcached-env
-#      KVCACHED_MAX_CACHED_BLOCKS=-1 (run-12-07b: the gaps between phases, 1.5-2.5 s, outlast any
-#      grace, and the next phase's prompts share prefixes with the last's);
+# --time-budget 460 with the install, 3 servers; fg 280 --time-budget 270, 2). Done 12-07 evening (an
+# H200 after two refused starts, 181 s lost; servers of 139-177 s with their phases): 8 of the 1b
+# run's 10 servers on d4ff39b (reports/gpu/serving/run-12-07c: install + fg 480 --time-budget 470, 2
+# servers; fg 560 / 550, 3; fg 500 / 490, 3). Next, in order:
+#   1. the 1b run, 5 rounds, on a host that holds its pace (run-12-07c's servers ran the same vLLM
+#      code up to 1.3x apart); it cannot be resumed on another tree;
+#   2. (moot since d4ff39b: random prompts hit 1.1-1.9% on both sides) the cached-block cap's
+#      ablation, --kvcached-env KVCACHED_MAX_CACHED_BLOCKS=-1;
 #   3. the serving rows the default run leaves out, a model per run: --models 1b-eager, then
 #      1b-v1, then hybrid;
 #   4. the sharing run with the 250 ms grace (three calls, ~500 s), now with its handover step:
