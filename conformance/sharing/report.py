@@ -102,7 +102,8 @@ def checks(r: SharingResult) -> list[Check]:
               f"{r.b_max_once_under_bytes / MiB:.2f} MiB over the {r.b_samples_once_under} samples from then to "
               "the burst's end"),
         Check("B took the memory of A after SIGKILL", r.b_after_kill_peak_bytes > budget - r.a_at_kill_bytes,
-              f"B peak {r.b_after_kill_peak_bytes / MiB:.2f} MiB > budget - A's {r.a_at_kill_bytes / MiB:.2f} MiB"),
+              f"B peak {r.b_after_kill_peak_bytes / MiB:.2f} MiB > budget - A's {r.a_at_kill_bytes / MiB:.2f} MiB"
+              + (f" (A's charge left the record {r.a_gone_s:.2f} s after SIGKILL)" if r.a_gone_s is not None else "")),
         Check("every idle point at the watermark", idle_ok,
               ", ".join(f"{e}: max {max(xs) / MiB:.2f} MiB <= {r.watermark_bytes[e] / MiB:.2f} MiB"
                         for e, xs in r.idle_bytes.items())),
