@@ -21,14 +21,20 @@ compared with the same step's. Per configuration the report gives:
 * **all steps**: total scheduler time over the run, ratio, with the steps that mapped
   (the cost of elasticity itself: a page mapped on first use).
 
+``--workload prefill`` is the GPU serving benchmark's shape instead (`bench_serving.py`'s 1b
+saturation phase): random 1,024-token prompts, steps of up to 8,192 tokens
+(``max_num_batched_tokens``), refills on a background thread (``KVCACHED_BACKGROUND_REFILL=on``,
+as an in-process CUDA worker runs them), and a column for the full prefill steps: on every GPU
+host so far such a step scheduled in 1.6-2.0x native's time.
+
 Verdict rule: "met" when the median ratio meets the target, "inconclusive" when the
 spread of the per-round ratios crosses it, "missed" otherwise. Run it on a quiet machine.
 
     python benchmarks/bench_scheduler.py [--rounds 5] [--blocks 1000,10000,100000]
         [--concurrency 64,256] [--schedulers sync,async] [--max-tokens 32] [--page-size 65536]
-        [--out reports/bench] [--render]
+        [--workload shared-prefix|prefill] [--out reports/bench] [--render]
 
-Writes ``scheduler.json`` (with the environment block) and the report (``.md``, ``.html``,
+Writes ``scheduler.json`` (``scheduler_prefill.json`` for the prefill workload) (with the environment block) and the report (``.md``, ``.html``,
 ``.csv``) through ``conformance.reporting``; ``--render`` writes the report again from the
 JSON, running nothing.
 """
@@ -85,13 +91,32 @@ class Run:
 
 
 # ---- child: one engine ------------------------------------------------------------------------
-def _workload(n: int, seed: int = 0) -> list[list[int]]:
-    import random
+@dataclass(frozen=True)
+class Workload:
+    """The prompts and the engine shape of one kind of run."""
 
-    r = random.Random(seed)
-    root = [r.randrange(3, 1024) for _ in range(256)]
-    return [root[: r.randrange(16, 200)] + [r.randrange(3, 1024) for _ in range(r.randrange(1, 32))]
-            for _ in range(n)]
+    name: str
+    max_model_len: int
+    max_num_batched_tokens: int | None  # None: vLLM's default
+    env: tuple[tuple[str, str], ...] = ()  # more for the kvcached side
+    report: str = "scheduler"  # the report's file stem under --out
+
+    def prompts(self, n: int, seed: int = 0) -> list[list[int]]:
+        import random
+
+        r = random.Random(seed)
+        if self.name == "prefill":
+            return [[r.randrange(3, 1024) for _ in range(PREFILL_PROMPT)] for _ in range(n)]
+        root = [r.randrange(3, 1024) for _ in range(256)]
+        return [root[: r.randrange(16, 200)] + [r.randrange(3, 1024) for _ in range(r.randrange(1, 32))]
+                for _ in range(n)]
+
+
+PREFILL_PROMPT = 1024
+WORKLOADS = {
+    "shared-prefix": Workload("shared-prefix", 1024, None),
+    "prefill": Workload("prefill", 2048, 8192, (("KVCACHED_BACKGROUND_REFILL", "on"),), "scheduler_prefill"),
+}
 
 
 def _driver_calls() -> int:
@@ -152,10 +177,12 @@ def child(spec: dict[str, Any]) -> None:
     is_async = spec["scheduler"] == "async"
     overrides.install_async_override()
     overrides.force_async(is_async)
+    workload = WORKLOADS[spec["workload"]]
+    shape = {"max_num_batched_tokens": workload.max_num_batched_tokens} if workload.max_num_batched_tokens else {}
     llm = LLM(model=str(ensure_model(arch.model)), skip_tokenizer_init=True, enforce_eager=True, dtype=arch.model.torch_dtype,
-              enable_prefix_caching=True, max_model_len=1024, seed=0, kv_cache_memory_bytes=64 << 20,
+              enable_prefix_caching=True, max_model_len=workload.max_model_len, seed=0, kv_cache_memory_bytes=64 << 20,
               num_gpu_blocks_override=spec["blocks"], max_num_seqs=max(spec["concurrency"]),
-              async_scheduling=is_async, **dict(arch.engine_kwargs))
+              async_scheduling=is_async, **shape, **dict(arch.engine_kwargs))
     overrides.force_async(False)
     sched = llm.llm_engine.engine_core.engine_core.scheduler
     actual = type(sched).__name__
@@ -165,7 +192,7 @@ def child(spec: dict[str, Any]) -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False)
     runs = []
     for concurrency in spec["concurrency"]:
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in _workload(concurrency)]
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in workload.prompts(concurrency)]
         llm.generate(prompts[:4], sp, use_tqdm=False)  # warm-up
         llm.reset_prefix_cache()
         timer.reset()
@@ -177,16 +204,18 @@ def child(spec: dict[str, Any]) -> None:
 
 
 # ---- parent: alternate, compare ---------------------------------------------------------------
-def sample(kvcached: bool, config: Config, concurrency: list[int], max_tokens: int, page_size: int) -> list[Run]:
+def sample(kvcached: bool, config: Config, concurrency: list[int], max_tokens: int, page_size: int,
+           workload: Workload = WORKLOADS["shared-prefix"]) -> list[Run]:
     env = without_kvcached(dict(os.environ))
     env.update(ENV)
     if kvcached:
         # No cached-block cap: prefix hits, hence the schedule, stay native (checked per step).
         env.update({"KVCACHED_ENABLE": "1", "KVCACHED_PAGE_SIZE": str(page_size), "KVCACHED_MAX_CACHED_BLOCKS": "-1"})
+        env.update(dict(workload.env))
     else:
         env["VLLM_PLUGINS"] = ""
     spec = {"blocks": config.blocks, "scheduler": config.scheduler, "concurrency": concurrency,
-            "max_tokens": max_tokens, "kvcached": kvcached}
+            "max_tokens": max_tokens, "kvcached": kvcached, "workload": workload.name}
     proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=900, check=False)
     if proc.returncode != 0:
@@ -218,14 +247,21 @@ class Pair:
     def driver_free(self) -> list[int]:
         return [i for i in self.all_steps if self.kvcached.driver_calls[i] == 0]
 
+    def full(self, tokens: int) -> list[int]:
+        """The steps that scheduled ``tokens`` (the step's token budget: full prefill steps)."""
+        return [i for i in self.all_steps if self.native.scheduled_tokens[i] == tokens]
+
     def totals(self) -> tuple[float, float]:
         return sum(self.native.step_s), sum(self.kvcached.step_s)
 
 
-def summarize(pairs: list[Pair]) -> dict[str, Any]:
+def summarize(pairs: list[Pair], full_tokens: int | None = None) -> dict[str, Any]:
+    """Per-step, driver-free, total and (with ``full_tokens``, the step token budget) full
+    prefill steps' times and ratios, over rounds."""
     per_step = [p.medians(p.all_steps) for p in pairs]
     free = [p.medians(p.driver_free) for p in pairs if p.driver_free]
     totals = [p.totals() for p in pairs]
+    full = [p.medians(p.full(full_tokens)) for p in pairs if full_tokens and p.full(full_tokens)]
 
     def side(xs: list[tuple[float, float]], i: int) -> list[float]:
         return [x[i] for x in xs]
@@ -239,7 +275,7 @@ def summarize(pairs: list[Pair]) -> dict[str, Any]:
         "steps_with_driver_calls": statistics.median(len(p.all_steps) - len(p.driver_free) for p in pairs),
         "driver_calls": statistics.median(sum(p.kvcached.driver_calls) for p in pairs),
     }
-    for name, xs in (("per_step", per_step), ("driver_free", free), ("total", totals)):
+    for name, xs in (("per_step", per_step), ("driver_free", free), ("total", totals), ("full_steps", full)):
         if xs:
             r = ratios(xs)
             out[name] = {"native_s": side(xs, 0), "kvcached_s": side(xs, 1), "ratios": r,
@@ -263,14 +299,20 @@ def _row(row: dict[str, Any]) -> dict[str, object]:
             "steps": s["steps"], "native ms/step": _ms(s["per_step"]["native_s"]),
             "kvcached ms/step": _ms(s["per_step"]["kvcached_s"]), "per step": _cell(s.get("per_step")),
             "driver-free steps": _cell(s.get("driver_free")), "all steps (total)": _cell(s.get("total")),
+            **({"full prefill steps": f"{_ms(s['full_steps']['native_s'])} / {_ms(s['full_steps']['kvcached_s'])}: "
+                                      f"{_cell(s['full_steps'])}"} if s.get("full_steps") else {}),
             "steps with driver calls": f"{s['steps_with_driver_calls']:g}", "driver calls": f"{s['driver_calls']:g}",
             "same schedule": "yes" if s["same_schedule"] else "NO"}
 
 
 def build(result: dict[str, Any]) -> Report:
     """The report as data, from the saved run (``scheduler.json``)."""
+    workload = WORKLOADS[result.get("workload", "shared-prefix")]
+    prompts = ("prompts with a shared prefix" if workload.name == "shared-prefix" else
+               f"random {PREFILL_PROMPT}-token prompts, steps of up to {workload.max_num_batched_tokens} tokens, "
+               "kvcached's refills on a background thread (full prefill steps: native ms / kvcached ms: ratio)")
     method = (f"{result['rounds']} alternating rounds; tiny llama, in-process engine, {result['max_tokens']} output "
-              "tokens per request, prompts with a shared prefix; all requests submitted at once. "
+              f"tokens per request, {prompts}; all requests submitted at once. "
               f"Target: kvcached/native <= {TARGET:.2f}x per step. Step times in ms, median over steps "
               "(median over rounds, min-max). Driver calls: pages mapped or waited for, and unmapped, on the "
               "scheduler's path, per run (kvcached side).")
@@ -294,11 +336,14 @@ def main() -> int:
     ap.add_argument("--schedulers", default="sync,async")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--page-size", type=int, default=64 << 10, help="KVCACHED_PAGE_SIZE (default 64 KiB)")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="shared-prefix")
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench")
     ap.add_argument("--render", action="store_true", help="render the report again from scheduler.json in --out")
     args = ap.parse_args()
+    workload = WORKLOADS[args.workload]
     if args.render:
-        print(write_report(build(json.loads((args.out / "scheduler.json").read_text())), args.out, "scheduler"))
+        saved = json.loads((args.out / f"{workload.report}.json").read_text())
+        print(write_report(build(saved), args.out, workload.report))
         return 0
     from conformance.progress import RunProgress
 
@@ -311,18 +356,20 @@ def main() -> int:
         for r in range(args.rounds):
             for config in configs:
                 order = (False, True) if r % 2 == 0 else (True, False)
-                got = {kv: sample(kv, config, concurrency, args.max_tokens, args.page_size) for kv in order}
+                got = {kv: sample(kv, config, concurrency, args.max_tokens, args.page_size, workload) for kv in order}
                 progress.advance(f"round {r + 1} {config.scheduler} {config.blocks} blocks (both sides)")
                 for nat, kvc in zip(got[False], got[True], strict=True):
                     pairs.setdefault((config, nat.concurrency), []).append(Pair(nat, kvc))
     result = {
         "environment": environment.as_dict(), "rounds": args.rounds, "max_tokens": args.max_tokens, "page_size": args.page_size, "target": TARGET,
-        "rows": [{"scheduler": c.scheduler, "blocks": c.blocks, "concurrency": conc, "summary": summarize(ps),
+        "workload": workload.name,
+        "rows": [{"scheduler": c.scheduler, "blocks": c.blocks, "concurrency": conc,
+                  "summary": summarize(ps, workload.max_num_batched_tokens),
                   "raw": [asdict(p) for p in ps]} for (c, conc), ps in pairs.items()],
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scheduler.json").write_text(json.dumps(result) + "\n")
-    print(write_report(build(result), args.out, "scheduler").read_text())
+    (args.out / f"{workload.report}.json").write_text(json.dumps(result) + "\n")
+    print(write_report(build(result), args.out, workload.report).read_text())
     return 0
 
 
