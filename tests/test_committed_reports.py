@@ -99,6 +99,7 @@ def test_the_gpu_probes_and_bandwidth_render_again(tmp_path: Path) -> None:
 BENCHMARKS = {  # script -> (folder under reports/bench, the saved JSON's stem)
     "bench_scheduler_loop": ("", "scheduler_loop"), "bench_scheduler": ("", "scheduler"),
     "bench_scheduler prefill": ("", "scheduler_prefill"),
+    "bench_scheduler prefill before": ("scheduler_prefill_before", "scheduler_prefill"),
     "bench_scheduler 2 MiB": ("scheduler_2mib", "scheduler"), "bench_serve_steps": ("", "serve_steps"),
     "bench_serving": ("", "serving"), "bench_serving overload": ("serving_overload", "serving"),
     "bench_elasticity": ("", "elasticity"), "bench_rank_rpcs": ("", "rank_rpcs"),

@@ -293,6 +293,40 @@ def test_a_busy_pool_maps_a_full_steps_pages_ahead(step_pages: int) -> None:
         pool.set_step_pages(65)
 
 
+def test_a_steps_takes_top_the_reserve_up_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The takes of one scheduler step, one a request (`batch_top_ups`), top the reserve up
+    once, at the step's end; a take that empties the reserve refills it at once. Outside a
+    batch every take tops up."""
+    pool, _, _ = make_pool(num_pages=64, min_reserve_pages=1, max_reserve_pages=4)
+    pool.set_step_pages(9)
+    tops: list[int] = []
+    top_up = pool._top_up
+    monkeypatch.setattr(pool, "_top_up", lambda: (tops.append(len(pool.reserve)), top_up())[1])
+
+    def step(pages: int) -> tuple[list[int], int]:
+        tops.clear()
+        hits = pool.counters().reserve_hits
+        pool.batch_top_ups()
+        for _ in range(pages):
+            pool.acquire([min(pool.reserve)])
+        pool.end_top_ups()
+        pool.collect(busy=True)
+        return list(tops), pool.counters().reserve_hits - hits
+
+    pool.acquire(range(8))  # a first step: its pace makes the busy target a step's pages (9)
+    pool.collect(busy=True)
+    assert len(pool.reserve) == 1  # refilled to the min as it was taken: no pace yet
+    assert step(8) == ([0, 2], 8), "the first take emptied the reserve: refilled at once, then at the end"
+    assert step(8) == ([1], 8), "one top-up, at the end, of the reserve the takes left 1 page of"
+    assert step(10) == ([0, 8], 10), "emptied at the 9th take: refilled at once, then at the end"
+    tops.clear()
+    for _ in range(3):
+        pool.acquire([min(pool.reserve)])
+    assert len(tops) == 3, "outside a batch, each take tops up"
+    with pytest.raises(InvariantError):
+        pool.end_top_ups()
+
+
 def test_a_busy_pool_holds_pages_it_will_want_again_and_an_idle_one_gives_them_back():
     """Holding (``hold_steps``): a page emptied as one request ends and wanted as the next one
     starts stays mapped while the engine is busy, not unmapped and mapped again; the window

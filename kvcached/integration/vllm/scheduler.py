@@ -345,7 +345,12 @@ def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, *args, **kwargs)
         # Before the original: pages emptied while scheduling this step get its ticket.
         step = pool.fence.begin_step()
-        output = original(self, *args, **kwargs)
+        pages = pool.page_pool
+        pages.batch_top_ups()  # one refill for the step's takes, sent as it is scheduled
+        try:
+            output = original(self, *args, **kwargs)
+        finally:
+            pages.end_top_ups()
         if isinstance(pool.fence, EngineStepFence) and not touches_kv(output):
             pool.fence.mark_kv_free(step)
         return output
