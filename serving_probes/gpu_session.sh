@@ -33,7 +33,8 @@
 # run's 10 servers on d4ff39b (reports/gpu/serving/run-12-07c: install + fg 480 --time-budget 470, 2
 # servers; fg 560 / 550, 3; fg 500 / 490, 3). Next, in order:
 #   1. the 1b run, 5 rounds, on a host that holds its pace (run-12-07c's servers ran the same vLLM
-#      code up to 1.3x apart); it cannot be resumed on another tree;
+#      code up to 1.3x apart), on a tree with 7bcb2e3 (one refill a schedule: a CPU prefill step
+#      1.56x -> 1.29x native, async); it cannot be resumed on another tree;
 #   2. (moot since d4ff39b: random prompts hit 1.1-1.9% on both sides) the cached-block cap's
 #      ablation, --kvcached-env KVCACHED_MAX_CACHED_BLOCKS=-1;
 #   3. the serving rows the default run leaves out, a model per run: --models 1b-eager, then
