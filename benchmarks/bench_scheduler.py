@@ -34,9 +34,9 @@ spread of the per-round ratios crosses it, "missed" otherwise. Run it on a quiet
         [--concurrency 64,256] [--schedulers sync,async] [--max-tokens 32] [--page-size 65536]
         [--workload shared-prefix|prefill] [--out reports/bench] [--render]
 
-Writes ``scheduler.json`` (``scheduler_prefill.json`` for the prefill workload) (with the environment block) and the report (``.md``, ``.html``,
-``.csv``) through ``conformance.reporting``; ``--render`` writes the report again from the
-JSON, running nothing.
+Writes ``scheduler.json`` (``scheduler_prefill.json`` for the prefill workload; with the
+environment block) and the report (``.md``, ``.html``, ``.csv``) through
+``conformance.reporting``; ``--render`` writes the report again from the JSON, running nothing.
 """
 
 from __future__ import annotations
@@ -96,8 +96,10 @@ class Workload:
     """The prompts and the engine shape of one kind of run."""
 
     name: str
+    described: str  # the prompts and shape, as the report's method says them
     max_model_len: int
-    max_num_batched_tokens: int | None  # None: vLLM's default
+    max_num_batched_tokens: int | None = None  # None: vLLM's default
+    prompt_len: int | None = None  # random prompts of this length; None: with a shared prefix
     env: tuple[tuple[str, str], ...] = ()  # more for the kvcached side
     report: str = "scheduler"  # the report's file stem under --out
 
@@ -105,17 +107,19 @@ class Workload:
         import random
 
         r = random.Random(seed)
-        if self.name == "prefill":
-            return [[r.randrange(3, 1024) for _ in range(PREFILL_PROMPT)] for _ in range(n)]
+        if self.prompt_len:
+            return [[r.randrange(3, 1024) for _ in range(self.prompt_len)] for _ in range(n)]
         root = [r.randrange(3, 1024) for _ in range(256)]
         return [root[: r.randrange(16, 200)] + [r.randrange(3, 1024) for _ in range(r.randrange(1, 32))]
                 for _ in range(n)]
 
 
-PREFILL_PROMPT = 1024
 WORKLOADS = {
-    "shared-prefix": Workload("shared-prefix", 1024, None),
-    "prefill": Workload("prefill", 2048, 8192, (("KVCACHED_BACKGROUND_REFILL", "on"),), "scheduler_prefill"),
+    "shared-prefix": Workload("shared-prefix", "prompts with a shared prefix", 1024),
+    "prefill": Workload("prefill", "random 1024-token prompts, steps of up to 8192 tokens, kvcached's refills on a "
+                        "background thread (full prefill steps: native ms / kvcached ms: ratio)", 2048,
+                        max_num_batched_tokens=8192, prompt_len=1024, env=(("KVCACHED_BACKGROUND_REFILL", "on"),),
+                        report="scheduler_prefill"),
 }
 
 
@@ -261,7 +265,7 @@ def summarize(pairs: list[Pair], full_tokens: int | None = None) -> dict[str, An
     per_step = [p.medians(p.all_steps) for p in pairs]
     free = [p.medians(p.driver_free) for p in pairs if p.driver_free]
     totals = [p.totals() for p in pairs]
-    full = [p.medians(p.full(full_tokens)) for p in pairs if full_tokens and p.full(full_tokens)]
+    full = [p.medians(steps) for p in pairs if full_tokens and (steps := p.full(full_tokens))]
 
     def side(xs: list[tuple[float, float]], i: int) -> list[float]:
         return [x[i] for x in xs]
@@ -307,10 +311,7 @@ def _row(row: dict[str, Any]) -> dict[str, object]:
 
 def build(result: dict[str, Any]) -> Report:
     """The report as data, from the saved run (``scheduler.json``)."""
-    workload = WORKLOADS[result.get("workload", "shared-prefix")]
-    prompts = ("prompts with a shared prefix" if workload.name == "shared-prefix" else
-               f"random {PREFILL_PROMPT}-token prompts, steps of up to {workload.max_num_batched_tokens} tokens, "
-               "kvcached's refills on a background thread (full prefill steps: native ms / kvcached ms: ratio)")
+    prompts = WORKLOADS[result.get("workload", "shared-prefix")].described
     method = (f"{result['rounds']} alternating rounds; tiny llama, in-process engine, {result['max_tokens']} output "
               f"tokens per request, {prompts}; all requests submitted at once. "
               f"Target: kvcached/native <= {TARGET:.2f}x per step. Step times in ms, median over steps "

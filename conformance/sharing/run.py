@@ -489,6 +489,14 @@ class Stage:
                 time.sleep(0.01)
         return seen, at
 
+    def until(self, holds: Callable[[Any], bool], timeout_s: float) -> float:
+        """Seconds until ``holds`` is true of the record's snapshot, read every 10 ms by a reader
+        of its own (`wait_until`; raises on timeout)."""
+        from kvcached.budget import BudgetRecord
+
+        with BudgetRecord(str(self.record), create=False) as rec:
+            return wait_until(lambda: holds(rec.snapshot()), timeout_s)
+
     def idle(self, engine: str) -> None:
         """Wait for ``engine`` to be back at its watermark; record how long that took."""
         watermark = self.result.watermark_bytes[engine]
@@ -625,8 +633,6 @@ def limited_burst(stage: Stage) -> None:
     under the lowered limit however fast its first requests were served: on a busy machine the
     command's start outlasted a whole burst (CI run, 12-04: the burst ended 0.24 s before the limit).
     """
-    from kvcached.budget import BudgetRecord
-
     plan, result = stage.plan, stage.result
     limit = int(plan.budget_bytes * plan.limit_fraction)
     result.limit_b_bytes = limit
@@ -637,8 +643,7 @@ def limited_burst(stage: Stage) -> None:
         kvctl(stage.record, "limit", stage.names["B"], str(limit))
         lowered, set_at = stage.now(), time.time()
         after = pool.submit(stage.burst, "B", after_limit_index(plan), None, "", LONG * plan.max_tokens)
-        with BudgetRecord(str(stage.record), create=False) as rec:
-            applied = wait_until(lambda: limit_applied(rec.snapshot(), stage.names["B"], limit, set_at), 120.0)
+        applied = stage.until(lambda snap: limit_applied(snap, stage.names["B"], limit, set_at), 120.0)
         result.b_under_limit_s = round(applied, 3)
         under = stage.now()
         end = max(running.result(timeout=600).end_s, after.result(timeout=600).end_s)
@@ -657,8 +662,6 @@ def limited_burst(stage: Stage) -> None:
 def kill_a(stage: Stage) -> None:
     """SIGKILL A's whole server while its burst holds memory; then, once the record has freed
     A's charge, B's double burst."""
-    from kvcached.budget import BudgetRecord
-
     plan, result = stage.plan, stage.result
     server = stage.servers["A"]
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -683,8 +686,7 @@ def kill_a(stage: Stage) -> None:
     # The record frees a dead engine's charge once the last of its processes is gone (their
     # locks go with them), not when the server's own process is: B's burst starts then, so
     # that its bar is all A left. How long that took is the scenario's to report.
-    with BudgetRecord(str(stage.record), create=False) as rec:
-        result.a_gone_s = round(wait_until(lambda: engine_charge(rec.snapshot(), stage.names["A"]) == 0, 60.0), 3)
+    result.a_gone_s = round(stage.until(lambda snap: engine_charge(snap, stage.names["A"]) == 0, 60.0), 3)
     start = stage.now()
     stage.mark("B: 2x burst")
     # As B's first: overlapping, and needing twice the budget, so B fills what A left. The check
