@@ -34,6 +34,19 @@ def test_every_id_encodes_back_to_itself(tmp_path: Path, vocab_size: int) -> Non
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
 
 
+def test_a_kept_tokenizer_of_an_older_format_is_made_again(tmp_path: Path) -> None:
+    """A model directory kept from before 12-07 (specials t0-t2, no marker) is not reused."""
+    transformers = pytest.importorskip("transformers")
+    src, out = tmp_path / "src", tmp_path / "model"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    out.mkdir()
+    (out / "tokenizer.json").write_text("{}")  # what the old check took for a made tokenizer
+    tok = transformers.AutoTokenizer.from_pretrained(with_tokenizer(src, out))
+    assert tok.encode("t10", add_special_tokens=False) == [10]
+    assert with_tokenizer(src, out) == out  # made once: the marker matches now
+
+
 def test_the_gpu_benchmarks_random_prompts_are_nearly_disjoint(tmp_path: Path) -> None:
     """vLLM's random dataset, as `vllm bench serve` draws a GPU phase: 512 prompts of 1,024 tokens.
     A prompt is a run of consecutive ids from a random start, so with the tiny models' 1,024 ids a

@@ -71,6 +71,11 @@ class ServerSpec:
     device: str = "cpu"  # where the engine runs (`conformance.engine_env.engine_env`)
 
 
+#: The word-level tokenizer's format, written beside it: 2 since its specials are <pad>, <s>, </s>
+#: (format 1, with t0-t2, left no marker and is made again where it was kept).
+TOKENIZER_FORMAT = 2
+
+
 def with_tokenizer(model_dir: Path, out_dir: Path) -> Path:
     """A copy of ``model_dir`` with a word-level tokenizer beside it: a word per id of the model's
     vocabulary (its config's ``vocab_size``), ``t<id>`` but for pad, bos and eos (0-2). Every
@@ -78,10 +83,11 @@ def with_tokenizer(model_dir: Path, out_dir: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    if (out_dir / "tokenizer.json").is_file():
-        return out_dir
-    shutil.copytree(model_dir, out_dir, dirs_exist_ok=True)
     vocab_size = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    marker, made = out_dir / "conformance-tokenizer.json", {"format": TOKENIZER_FORMAT, "vocab_size": vocab_size}
+    if marker.is_file() and json.loads(marker.read_text()) == made:
+        return out_dir  # else none yet, or one of an older format (t0-t2 specials) or vocabulary: made again
+    shutil.copytree(model_dir, out_dir, dirs_exist_ok=True)
     # The special tokens' words are no ``t<id>``: a tokenizer splits every word at its special
     # tokens first, so with specials named t0-t2 "t10" encoded as t1, t0 (a quarter of the 1,024
     # ids of the tiny models, and of every random prompt, were such pairs until 12-07).
@@ -92,6 +98,7 @@ def with_tokenizer(model_dir: Path, out_dir: Path) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<pad>", pad_token="<pad>", bos_token="<s>",
                                    eos_token="</s>")
     fast.save_pretrained(out_dir)
+    marker.write_text(json.dumps(made))  # last: a copy cut short is made again
     return out_dir
 
 
