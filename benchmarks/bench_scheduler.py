@@ -25,16 +25,19 @@ compared with the same step's. Per configuration the report gives:
 saturation phase): random 1,024-token prompts, steps of up to 8,192 tokens
 (``max_num_batched_tokens``), refills on a background thread (``KVCACHED_BACKGROUND_REFILL=on``,
 as an in-process CUDA worker runs them), and a column for the full prefill steps: on every GPU
-host so far such a step scheduled in 1.6-2.0x native's time.
+host so far such a step scheduled in 1.6-2.0x native's time. ``--workload decode`` is the same
+engine and prompts, run with more output tokens (``--max-tokens 96``), and a column for the
+decode steps, those scheduling one token for each request: the GPU run's saturation phase is
+1,024 tokens in and 256 out, so nearly every step it runs is one.
 
 Verdict rule: "met" when the median ratio meets the target, "inconclusive" when the
 spread of the per-round ratios crosses it, "missed" otherwise. Run it on a quiet machine.
 
     python benchmarks/bench_scheduler.py [--rounds 5] [--blocks 1000,10000,100000]
         [--concurrency 64,256] [--schedulers sync,async] [--max-tokens 32] [--page-size 65536]
-        [--workload shared-prefix|prefill] [--out reports/bench] [--render]
+        [--workload shared-prefix|prefill|decode] [--out reports/bench] [--render]
 
-Writes ``scheduler.json`` (``scheduler_prefill.json`` for the prefill workload; with the
+Writes ``scheduler.json`` (``scheduler_prefill.json``, ``scheduler_decode.json`` for those workloads; with the
 environment block) and the report (``.md``, ``.html``, ``.csv``) through
 ``conformance.reporting``; ``--render`` writes the report again from the JSON, running nothing.
 """
@@ -102,6 +105,7 @@ class Workload:
     prompt_len: int | None = None  # random prompts of this length; None: with a shared prefix
     env: tuple[tuple[str, str], ...] = ()  # more for the kvcached side
     report: str = "scheduler"  # the report's file stem under --out
+    decode_steps: bool = False  # a column for the decode steps (one token for each request)
 
     def prompts(self, n: int, seed: int = 0) -> list[list[int]]:
         import random
@@ -120,6 +124,12 @@ WORKLOADS = {
                         "background thread (full prefill steps: native ms / kvcached ms: ratio)", 2048,
                         max_num_batched_tokens=8192, prompt_len=1024, env=(("KVCACHED_BACKGROUND_REFILL", "on"),),
                         report="scheduler_prefill"),
+    # The same engine and prompts, run long enough that decode steps dominate, as they do in
+    # the GPU run (1,024 in / 256 out: 16 prefill steps and 256 decode steps a wave).
+    "decode": Workload("decode", "random 1024-token prompts, steps of up to 8192 tokens, kvcached's refills on a "
+                       "background thread (decode steps, one token a request: native ms / kvcached ms: ratio)", 2048,
+                       max_num_batched_tokens=8192, prompt_len=1024, env=(("KVCACHED_BACKGROUND_REFILL", "on"),),
+                       report="scheduler_decode", decode_steps=True),
 }
 
 
@@ -251,21 +261,23 @@ class Pair:
     def driver_free(self) -> list[int]:
         return [i for i in self.all_steps if self.kvcached.driver_calls[i] == 0]
 
-    def full(self, tokens: int) -> list[int]:
-        """The steps that scheduled ``tokens`` (the step's token budget: full prefill steps)."""
+    def scheduling(self, tokens: int) -> list[int]:
+        """The steps that scheduled ``tokens``: the step's token budget (full prefill steps), or
+        the concurrency (decode steps: one token for each request)."""
         return [i for i in self.all_steps if self.native.scheduled_tokens[i] == tokens]
 
     def totals(self) -> tuple[float, float]:
         return sum(self.native.step_s), sum(self.kvcached.step_s)
 
 
-def summarize(pairs: list[Pair], full_tokens: int | None = None) -> dict[str, Any]:
-    """Per-step, driver-free, total and (with ``full_tokens``, the step token budget) full
-    prefill steps' times and ratios, over rounds."""
+def summarize(pairs: list[Pair], full_tokens: int | None = None, decode: bool = False) -> dict[str, Any]:
+    """Per-step, driver-free, total, (with ``full_tokens``, the step token budget) full prefill
+    steps' and (with ``decode``) decode steps' times and ratios, over rounds."""
     per_step = [p.medians(p.all_steps) for p in pairs]
     free = [p.medians(p.driver_free) for p in pairs if p.driver_free]
     totals = [p.totals() for p in pairs]
-    full = [p.medians(steps) for p in pairs if full_tokens and (steps := p.full(full_tokens))]
+    full = [p.medians(steps) for p in pairs if full_tokens and (steps := p.scheduling(full_tokens))]
+    decoding = [p.medians(steps) for p in pairs if decode and (steps := p.scheduling(p.native.concurrency))]
 
     def side(xs: list[tuple[float, float]], i: int) -> list[float]:
         return [x[i] for x in xs]
@@ -279,7 +291,10 @@ def summarize(pairs: list[Pair], full_tokens: int | None = None) -> dict[str, An
         "steps_with_driver_calls": statistics.median(len(p.all_steps) - len(p.driver_free) for p in pairs),
         "driver_calls": statistics.median(sum(p.kvcached.driver_calls) for p in pairs),
     }
-    for name, xs in (("per_step", per_step), ("driver_free", free), ("total", totals), ("full_steps", full)):
+    if decoding:
+        out["decode_step_count"] = statistics.median(len(p.scheduling(p.native.concurrency)) for p in pairs)
+    for name, xs in (("per_step", per_step), ("driver_free", free), ("total", totals), ("full_steps", full),
+                     ("decode_steps", decoding)):
         if xs:
             r = ratios(xs)
             out[name] = {"native_s": side(xs, 0), "kvcached_s": side(xs, 1), "ratios": r,
@@ -305,6 +320,9 @@ def _row(row: dict[str, Any]) -> dict[str, object]:
             "driver-free steps": _cell(s.get("driver_free")), "all steps (total)": _cell(s.get("total")),
             **({"full prefill steps": f"{_ms(s['full_steps']['native_s'])} / {_ms(s['full_steps']['kvcached_s'])}: "
                                       f"{_cell(s['full_steps'])}"} if s.get("full_steps") else {}),
+            **({"decode steps": f"{s['decode_step_count']:g}: {_ms(s['decode_steps']['native_s'])} / "
+                                f"{_ms(s['decode_steps']['kvcached_s'])}: {_cell(s['decode_steps'])}"}
+               if s.get("decode_steps") else {}),
             "steps with driver calls": f"{s['steps_with_driver_calls']:g}", "driver calls": f"{s['driver_calls']:g}",
             "same schedule": "yes" if s["same_schedule"] else "NO"}
 
@@ -365,7 +383,7 @@ def main() -> int:
         "environment": environment.as_dict(), "rounds": args.rounds, "max_tokens": args.max_tokens, "page_size": args.page_size, "target": TARGET,
         "workload": workload.name,
         "rows": [{"scheduler": c.scheduler, "blocks": c.blocks, "concurrency": conc,
-                  "summary": summarize(ps, workload.max_num_batched_tokens),
+                  "summary": summarize(ps, workload.max_num_batched_tokens, decode=workload.decode_steps),
                   "raw": [asdict(p) for p in ps]} for (c, conc), ps in pairs.items()],
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -100,6 +100,7 @@ BENCHMARKS = {  # script -> (folder under reports/bench, the saved JSON's stem)
     "bench_scheduler_loop": ("", "scheduler_loop"), "bench_scheduler": ("", "scheduler"),
     "bench_scheduler prefill": ("", "scheduler_prefill"),
     "bench_scheduler prefill before": ("scheduler_prefill_before", "scheduler_prefill"),
+    "bench_scheduler decode": ("", "scheduler_decode"),
     "bench_scheduler 2 MiB": ("scheduler_2mib", "scheduler"), "bench_serve_steps": ("", "serve_steps"),
     "bench_serving": ("", "serving"), "bench_serving overload": ("serving_overload", "serving"),
     "bench_elasticity": ("", "elasticity"), "bench_rank_rpcs": ("", "rank_rpcs"),
@@ -116,7 +117,7 @@ def test_a_benchmark_renders_again(tmp_path: Path, name: str) -> None:
     saved = _committed("bench", folder, f"{stem}.json")
     shutil.copy(saved, tmp_path / saved.name)
     script = ROOT / "benchmarks" / f"{name.split()[0]}.py"
-    workload = ["--workload", "prefill"] if stem == "scheduler_prefill" else []
+    workload = {"scheduler_prefill": ["--workload", "prefill"], "scheduler_decode": ["--workload", "decode"]}.get(stem, [])
     subprocess.run([sys.executable, str(script), "--render", "--out", str(tmp_path), *workload], check=True, cwd=ROOT,
                    capture_output=True, timeout=300)
     _same_report(saved.with_suffix(".md"), tmp_path / f"{stem}.md")
