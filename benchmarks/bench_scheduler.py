@@ -51,7 +51,7 @@ import statistics
 import subprocess
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -118,18 +118,19 @@ class Workload:
                 for _ in range(n)]
 
 
+_SERVING_SHAPE = ("random 1024-token prompts, steps of up to 8192 tokens, kvcached's refills on a background "
+                  "thread")
+_PREFILL = Workload("prefill", f"{_SERVING_SHAPE} (full prefill steps: native ms / kvcached ms: ratio)", 2048,
+                    max_num_batched_tokens=8192, prompt_len=1024, env=(("KVCACHED_BACKGROUND_REFILL", "on"),),
+                    report="scheduler_prefill")
 WORKLOADS = {
     "shared-prefix": Workload("shared-prefix", "prompts with a shared prefix", 1024),
-    "prefill": Workload("prefill", "random 1024-token prompts, steps of up to 8192 tokens, kvcached's refills on a "
-                        "background thread (full prefill steps: native ms / kvcached ms: ratio)", 2048,
-                        max_num_batched_tokens=8192, prompt_len=1024, env=(("KVCACHED_BACKGROUND_REFILL", "on"),),
-                        report="scheduler_prefill"),
+    "prefill": _PREFILL,
     # The same engine and prompts, run long enough that decode steps dominate, as they do in
     # the GPU run (1,024 in / 256 out: 16 prefill steps and 256 decode steps a wave).
-    "decode": Workload("decode", "random 1024-token prompts, steps of up to 8192 tokens, kvcached's refills on a "
-                       "background thread (decode steps, one token a request: native ms / kvcached ms: ratio)", 2048,
-                       max_num_batched_tokens=8192, prompt_len=1024, env=(("KVCACHED_BACKGROUND_REFILL", "on"),),
-                       report="scheduler_decode", decode_steps=True),
+    "decode": replace(_PREFILL, name="decode", report="scheduler_decode", decode_steps=True,
+                      described=f"{_SERVING_SHAPE} (decode steps, one token a request: native ms / kvcached ms: "
+                                "ratio)"),
 }
 
 
