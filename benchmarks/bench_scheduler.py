@@ -51,7 +51,7 @@ import statistics
 import subprocess
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,8 @@ class Run:
     step_s: list[float]
     driver_calls: list[int]  # per step, on the scheduler's path (0 on the native side)
     scheduled_tokens: list[int]
+    #: With ``--sample-us``: stack samples in the decode steps, by "CALL OWNER" (`StepSampler`).
+    samples: dict[str, int] = field(default_factory=dict)
 
 
 # ---- child: one engine ------------------------------------------------------------------------
@@ -140,12 +142,64 @@ def _driver_calls() -> int:
     return sum(s.path_pages for s in kvcached.stats().values())
 
 
-class StepTimer:
-    """Times ``schedule`` and ``update_from_output`` of one scheduler instance, per call."""
+def _owner(frame: Any) -> str:
+    """Whose code a sampled stack is running: the innermost frame of kvcached (named by its
+    module and function: self time, as a profiler's) or of vLLM; library frames (heapq,
+    contextlib) count for their caller."""
+    while frame is not None:
+        code = frame.f_code
+        module = frame.f_globals.get("__name__", "")
+        if code.co_filename.startswith("<kvcached"):  # a seam compiled at install (no module)
+            return f"kvcached {code.co_filename.strip('<>')}"
+        if module.startswith("kvcached"):
+            return f"kvcached {module}:{getattr(code, 'co_qualname', code.co_name)}"
+        if module.startswith("vllm"):
+            return "vllm"
+        frame = frame.f_back
+    return "other"
 
-    def __init__(self, sched: Any, count_driver: bool) -> None:
+
+class StepSampler:
+    """Samples the scheduler thread's stack every ``interval_s`` of wall time (``SIGALRM``)
+    while `StepTimer` is inside a scheduler call: per-call timers cost each call a frame and
+    inflate the small, frequent ones most, a sampler costs each sample."""
+
+    def __init__(self, interval_s: float) -> None:
+        import signal
+
+        self.interval_s = interval_s
+        self.where: tuple[str, int] | None = None  # (call, step), set by `StepTimer`
+        self.samples: list[tuple[str, int, str]] = []
+        signal.signal(signal.SIGALRM, self._sample)
+
+    def _sample(self, _signum: int, frame: Any) -> None:
+        if self.where is not None:
+            self.samples.append((*self.where, _owner(frame)))
+
+    def start(self) -> None:
+        import signal
+
+        self.samples.clear()
+        signal.setitimer(signal.ITIMER_REAL, self.interval_s, self.interval_s)
+
+    def stop(self) -> None:
+        import signal
+
+        signal.setitimer(signal.ITIMER_REAL, 0, 0)
+
+    def counts(self, steps: set[int]) -> dict[str, int]:
+        """Samples of ``steps``, by "CALL OWNER"."""
+        return dict(Counter(f"{call} {owner}" for call, step, owner in self.samples if step in steps))
+
+
+class StepTimer:
+    """Times ``schedule`` and ``update_from_output`` of one scheduler instance, per call
+    (and with a `StepSampler`, tells it which call of which step it is in)."""
+
+    def __init__(self, sched: Any, count_driver: bool, sampler: StepSampler | None = None) -> None:
         import time
 
+        self.sampler = sampler
         self.schedule_s: list[float] = []
         self.update_s: list[float] = []
         self.schedule_calls: list[int] = []
@@ -158,8 +212,14 @@ class StepTimer:
             def timed(*args: Any, _original: Any = original, _times: list[float] = times,
                       _calls: list[int] = calls, _name: str = name, **kwargs: Any) -> Any:
                 before = _driver_calls() if count_driver else 0
+                if self.sampler is not None:
+                    self.sampler.where = (_name, len(_times))
                 t = time.perf_counter()
-                out = _original(*args, **kwargs)
+                try:
+                    out = _original(*args, **kwargs)
+                finally:
+                    if self.sampler is not None:
+                        self.sampler.where = None
                 _times.append(time.perf_counter() - t)
                 _calls.append((_driver_calls() - before) if count_driver else 0)
                 if _name == "schedule":
@@ -175,8 +235,10 @@ class StepTimer:
     def run(self, concurrency: int) -> Run:
         """Step i = the i-th schedule and the i-th update (async scheduling runs one ahead)."""
         n = min(len(self.schedule_s), len(self.update_s))
+        decode = {i for i in range(n) if self.tokens[i] == concurrency}
         return Run(concurrency, [self.schedule_s[i] + self.update_s[i] for i in range(n)],
-                   [self.schedule_calls[i] + self.update_calls[i] for i in range(n)], self.tokens[:n])
+                   [self.schedule_calls[i] + self.update_calls[i] for i in range(n)], self.tokens[:n],
+                   self.sampler.counts(decode) if self.sampler is not None else {})
 
 
 def child(spec: dict[str, Any]) -> None:
@@ -203,7 +265,8 @@ def child(spec: dict[str, Any]) -> None:
     actual = type(sched).__name__
     if (actual == "AsyncScheduler") != is_async:
         raise SystemExit(f"asked for the {spec['scheduler']} scheduler, the engine built {actual}")
-    timer = StepTimer(sched, spec["kvcached"])
+    sampler = StepSampler(spec["sample_us"] / 1e6) if spec.get("sample_us") else None
+    timer = StepTimer(sched, spec["kvcached"], sampler)
     sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False)
     runs = []
     for concurrency in spec["concurrency"]:
@@ -211,7 +274,11 @@ def child(spec: dict[str, Any]) -> None:
         llm.generate(prompts[:4], sp, use_tqdm=False)  # warm-up
         llm.reset_prefix_cache()
         timer.reset()
+        if sampler is not None:
+            sampler.start()
         llm.generate(prompts, sp, use_tqdm=False)
+        if sampler is not None:
+            sampler.stop()
         runs.append(asdict(timer.run(concurrency)))
         llm.reset_prefix_cache()
     print("RESULT " + json.dumps({"scheduler_class": actual, "runs": runs}), flush=True)
@@ -220,7 +287,7 @@ def child(spec: dict[str, Any]) -> None:
 
 # ---- parent: alternate, compare ---------------------------------------------------------------
 def sample(kvcached: bool, config: Config, concurrency: list[int], max_tokens: int, page_size: int,
-           workload: Workload = WORKLOADS["shared-prefix"]) -> list[Run]:
+           workload: Workload = WORKLOADS["shared-prefix"], sample_us: int = 0) -> list[Run]:
     env = without_kvcached(dict(os.environ))
     env.update(ENV)
     if kvcached:
@@ -230,7 +297,7 @@ def sample(kvcached: bool, config: Config, concurrency: list[int], max_tokens: i
     else:
         env["VLLM_PLUGINS"] = ""
     spec = {"blocks": config.blocks, "scheduler": config.scheduler, "concurrency": concurrency,
-            "max_tokens": max_tokens, "kvcached": kvcached, "workload": workload.name}
+            "max_tokens": max_tokens, "kvcached": kvcached, "workload": workload.name, "sample_us": sample_us}
     proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=900, check=False)
     if proc.returncode != 0:
@@ -294,6 +361,8 @@ def summarize(pairs: list[Pair], full_tokens: int | None = None, decode: bool = 
     }
     if decoding:
         out["decode_step_count"] = statistics.median(len(p.scheduling(p.native.concurrency)) for p in pairs)
+    if sampled := sampled_per_step(pairs):
+        out["sampled"] = sampled
     for name, xs in (("per_step", per_step), ("driver_free", free), ("total", totals), ("full_steps", full),
                      ("decode_steps", decoding)):
         if xs:
@@ -301,6 +370,24 @@ def summarize(pairs: list[Pair], full_tokens: int | None = None, decode: bool = 
             out[name] = {"native_s": side(xs, 0), "kvcached_s": side(xs, 1), "ratios": r,
                          "median_ratio": statistics.median(r), "verdict": verdict(r, TARGET)}
     return out
+
+
+def sampled_per_step(pairs: list[Pair]) -> dict[str, list[float]]:
+    """Stack samples per decode step, by "CALL OWNER" and by call ("CALL all", "CALL kvcached"):
+    [native, kvcached], each the median over rounds (0 where a side has none)."""
+    def per_step(run: Run) -> dict[str, float]:
+        steps = max(1, sum(1 for t in run.scheduled_tokens if t == run.concurrency))
+        counts: dict[str, float] = {}
+        for key, n in run.samples.items():
+            call, owner = key.split(" ", 1)
+            for k in (key, f"{call} all", *([f"{call} kvcached"] if owner.startswith("kvcached") else [])):
+                counts[k] = counts.get(k, 0.0) + n / steps
+        return counts
+
+    sides = [(per_step(p.native), per_step(p.kvcached)) for p in pairs if p.native.samples and p.kvcached.samples]
+    keys = sorted({key for nat, kvc in sides for key in (*nat, *kvc)})
+    return {k: [statistics.median(n.get(k, 0.0) for n, _ in sides), statistics.median(kv.get(k, 0.0) for _, kv in sides)]
+            for k in keys}
 
 
 def _ms(xs: list[float]) -> str:
@@ -328,6 +415,43 @@ def _row(row: dict[str, Any]) -> dict[str, object]:
             "same schedule": "yes" if s["same_schedule"] else "NO"}
 
 
+#: kvcached's functions listed by name in the sampled table, per call (the rest are summed).
+SAMPLED_TOP = 6
+
+
+def _sampled_rows(row: dict[str, Any], sample_us: int) -> list[dict[str, object]]:
+    sampled, ms = row["summary"]["sampled"], sample_us / 1e3
+    rows = []
+    for call in ("schedule", "update_from_output"):
+        own = sorted((k for k in sampled if k.startswith(f"{call} kvcached ")), key=lambda k: -sampled[k][1])
+        listed = own[:SAMPLED_TOP]
+        rest = [sum(sampled[k][i] for k in own[SAMPLED_TOP:]) for i in (0, 1)]
+        for key, (nat, kvc) in [(f"{call} all", sampled.get(f"{call} all", [0, 0])),
+                                (f"{call} vllm", sampled.get(f"{call} vllm", [0, 0])),
+                                (f"{call} kvcached", sampled.get(f"{call} kvcached", [0, 0])),
+                                *((k, sampled[k]) for k in listed),
+                                *([(f"{call} kvcached the rest of kvcached", rest)] if own[SAMPLED_TOP:] else [])]:
+            rows.append({"scheduler": row["scheduler"], "concurrency": row["concurrency"], "call": call,
+                         "code": key.split(" ", 1)[1].removeprefix("kvcached "), "native ms/step": f"{nat * ms:.3f}",
+                         "kvcached ms/step": f"{kvc * ms:.3f}", "difference ms": f"{(kvc - nat) * ms:+.3f}"})
+    return rows
+
+
+def _sampled_section(result: dict[str, Any]) -> Section | None:
+    rows = [r for r in result["rows"] if r["summary"].get("sampled")]
+    if not rows:
+        return None
+    us = result["sample_us"]
+    text = (f"A stack sample of the scheduler's thread every {us} µs of wall time (`SIGALRM`) inside "
+            "`schedule` and `update_from_output`, in the decode steps; a sample counts for the innermost "
+            "frame of vLLM or of kvcached (kvcached's by file and function: its self time; library frames "
+            "count for their caller). ms/step = samples per decode step x the interval, median over rounds. "
+            "The sampler slows every step it samples, so this run's step times above are not comparable "
+            "with a run without it; the split is what it is for.")
+    return Section("Where a decode step's time goes (sampled)",
+                   (Paragraph(text), table(x for r in rows for x in _sampled_rows(r, us))))
+
+
 def build(result: dict[str, Any]) -> Report:
     """The report as data, from the saved run (``scheduler.json``)."""
     prompts = WORKLOADS[result.get("workload", "shared-prefix")].described
@@ -338,8 +462,10 @@ def build(result: dict[str, Any]) -> Report:
               "scheduler's path, per run (kvcached side).")
     verdicts = Counter(r["summary"]["per_step"]["verdict"] for r in result["rows"] if r["summary"].get("per_step"))
     tally = ", ".join(f"{k} {v}" for k, v in sorted(verdicts.items()))
+    sampled = _sampled_section(result)
     body = (Section("Method", (Paragraph(method),)),
-            Section("Step times", (table(_row(r) for r in result["rows"]), Paragraph(RULE))))
+            Section("Step times", (table(_row(r) for r in result["rows"]), Paragraph(RULE))),
+            *([sampled] if sampled else []))
     return Report(subject="Scheduler overhead (`Scheduler.schedule` + `update_from_output`, per step)",
                   headline=f"kvcached/native per step, target <= {TARGET:.2f}x: {tally}.",
                   environment=saved_environment(result), body=body, overview={"rows": len(result["rows"])})
@@ -357,6 +483,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--page-size", type=int, default=64 << 10, help="KVCACHED_PAGE_SIZE (default 64 KiB)")
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="shared-prefix")
+    ap.add_argument("--sample-us", type=int, default=0,
+                    help="sample the scheduler's stack every N µs in the decode steps (slows the steps; 0: off)")
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench")
     ap.add_argument("--render", action="store_true", help="render the report again from scheduler.json in --out")
     args = ap.parse_args()
@@ -376,13 +504,14 @@ def main() -> int:
         for r in range(args.rounds):
             for config in configs:
                 order = (False, True) if r % 2 == 0 else (True, False)
-                got = {kv: sample(kv, config, concurrency, args.max_tokens, args.page_size, workload) for kv in order}
+                got = {kv: sample(kv, config, concurrency, args.max_tokens, args.page_size, workload, args.sample_us)
+                       for kv in order}
                 progress.advance(f"round {r + 1} {config.scheduler} {config.blocks} blocks (both sides)")
                 for nat, kvc in zip(got[False], got[True], strict=True):
                     pairs.setdefault((config, nat.concurrency), []).append(Pair(nat, kvc))
     result = {
         "environment": environment.as_dict(), "rounds": args.rounds, "max_tokens": args.max_tokens, "page_size": args.page_size, "target": TARGET,
-        "workload": workload.name,
+        "workload": workload.name, "sample_us": args.sample_us,
         "rows": [{"scheduler": c.scheduler, "blocks": c.blocks, "concurrency": conc,
                   "summary": summarize(ps, workload.max_num_batched_tokens, decode=workload.decode_steps),
                   "raw": [asdict(p) for p in ps]} for (c, conc), ps in pairs.items()],
