@@ -101,6 +101,7 @@ BENCHMARKS = {  # script -> (folder under reports/bench, the saved JSON's stem)
     "bench_scheduler prefill": ("", "scheduler_prefill"),
     "bench_scheduler prefill before": ("scheduler_prefill_before", "scheduler_prefill"),
     "bench_scheduler decode": ("", "scheduler_decode"),
+    "bench_scheduler decode sampled": ("scheduler_decode_sampled", "scheduler_decode"),
     "bench_scheduler 2 MiB": ("scheduler_2mib", "scheduler"), "bench_serve_steps": ("", "serve_steps"),
     "bench_serving": ("", "serving"), "bench_serving overload": ("serving_overload", "serving"),
     "bench_elasticity": ("", "elasticity"), "bench_rank_rpcs": ("", "rank_rpcs"),
