@@ -444,7 +444,7 @@ def _sampled_section(result: dict[str, Any]) -> Section | None:
     us = result["sample_us"]
     text = (f"A stack sample of the scheduler's thread every {us} µs of wall time (`SIGALRM`) inside "
             "`schedule` and `update_from_output`, in the decode steps; a sample counts for the innermost "
-            "frame of vLLM or of kvcached (kvcached's by file and function: its self time; library frames "
+            "frame of vLLM or of kvcached (kvcached's by module and function: its self time; library frames "
             "count for their caller). ms/step = samples per decode step x the interval, median over rounds. "
             "The sampler slows every step it samples, so this run's step times above are not comparable "
             "with a run without it; the split is what it is for.")
