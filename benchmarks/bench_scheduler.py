@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from conformance.engine.step_sampler import StepSampler
 from conformance.engine_env import without_kvcached
 from conformance.reporting import (
     RULE,
@@ -142,56 +143,6 @@ def _driver_calls() -> int:
     return sum(s.path_pages for s in kvcached.stats().values())
 
 
-def _owner(frame: Any) -> str:
-    """Whose code a sampled stack is running: the innermost frame of kvcached (named by its
-    module and function: self time, as a profiler's) or of vLLM; library frames (heapq,
-    contextlib) count for their caller."""
-    while frame is not None:
-        code = frame.f_code
-        module = frame.f_globals.get("__name__", "")
-        if code.co_filename.startswith("<kvcached"):  # a seam compiled at install (no module)
-            return f"kvcached {code.co_filename.strip('<>')}"
-        if module.startswith("kvcached"):
-            return f"kvcached {module}:{getattr(code, 'co_qualname', code.co_name)}"
-        if module.startswith("vllm"):
-            return "vllm"
-        frame = frame.f_back
-    return "other"
-
-
-class StepSampler:
-    """Samples the scheduler thread's stack every ``interval_s`` of wall time (``SIGALRM``)
-    while `StepTimer` is inside a scheduler call: per-call timers cost each call a frame and
-    inflate the small, frequent ones most, a sampler costs each sample."""
-
-    def __init__(self, interval_s: float) -> None:
-        import signal
-
-        self.interval_s = interval_s
-        self.where: tuple[str, int] | None = None  # (call, step), set by `StepTimer`
-        self.samples: list[tuple[str, int, str]] = []
-        signal.signal(signal.SIGALRM, self._sample)
-
-    def _sample(self, _signum: int, frame: Any) -> None:
-        if self.where is not None:
-            self.samples.append((*self.where, _owner(frame)))
-
-    def start(self) -> None:
-        import signal
-
-        self.samples.clear()
-        signal.setitimer(signal.ITIMER_REAL, self.interval_s, self.interval_s)
-
-    def stop(self) -> None:
-        import signal
-
-        signal.setitimer(signal.ITIMER_REAL, 0, 0)
-
-    def counts(self, steps: set[int]) -> dict[str, int]:
-        """Samples of ``steps``, by "CALL OWNER"."""
-        return dict(Counter(f"{call} {owner}" for call, step, owner in self.samples if step in steps))
-
-
 class StepTimer:
     """Times ``schedule`` and ``update_from_output`` of one scheduler instance, per call
     (and with a `StepSampler`, tells it which call of which step it is in)."""
@@ -213,13 +164,13 @@ class StepTimer:
                       _calls: list[int] = calls, _name: str = name, **kwargs: Any) -> Any:
                 before = _driver_calls() if count_driver else 0
                 if self.sampler is not None:
-                    self.sampler.where = (_name, len(_times))
+                    self.sampler.enter(_name, len(_times))
                 t = time.perf_counter()
                 try:
                     out = _original(*args, **kwargs)
                 finally:
                     if self.sampler is not None:
-                        self.sampler.where = None
+                        self.sampler.exit()
                 _times.append(time.perf_counter() - t)
                 _calls.append((_driver_calls() - before) if count_driver else 0)
                 if _name == "schedule":
@@ -275,10 +226,8 @@ def child(spec: dict[str, Any]) -> None:
         llm.reset_prefix_cache()
         timer.reset()
         if sampler is not None:
-            sampler.start()
+            sampler.samples.clear()
         llm.generate(prompts, sp, use_tqdm=False)
-        if sampler is not None:
-            sampler.stop()
         runs.append(asdict(timer.run(concurrency)))
         llm.reset_prefix_cache()
     print("RESULT " + json.dumps({"scheduler_class": actual, "runs": runs}), flush=True)

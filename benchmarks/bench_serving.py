@@ -171,6 +171,11 @@ class Setup:
     #: The harness's step timer in both sides' EngineCore (``--step-times``,
     #: `conformance.engine.step_timer`): scheduler time per step, per phase.
     step_times: bool = False
+    #: With the step timer, its stack sampler every this many µs (``--step-samples``,
+    #: `conformance.engine.step_sampler`): whose code a decode step's scheduler time is in, saved
+    #: beside each step log (``*.steps.jsonl.samples.json``). It slows the steps: 0 (off) in a
+    #: run whose ratios count.
+    step_sample_us: int = 0
     #: OpenMP threads of every server process (`conformance.engine_env.CPU_ENGINE_ENV`);
     #: None: vLLM's choice (on a GPU, and in CPU runs saved before 12-05).
     omp_threads: int | None = None
@@ -430,6 +435,8 @@ def serve_side(sess: Session, model: BenchModel, tok_dir: Path, side: str, rnd: 
         step_log.unlink(missing_ok=True)
         extra += (("VLLM_PLUGINS", "kvcached,conformance_agent" if side == "kvcached" else "conformance_agent"),
                   ("CONFORMANCE_AGENT", "1"), ("CONFORMANCE_STEP_LOG", str(step_log)))
+        if setup.step_sample_us:
+            extra += (("CONFORMANCE_STEP_SAMPLE_US", str(setup.step_sample_us)),)
     spec = ServerSpec(side, side == "kvcached", extra_env=extra, dtype=model.spec.torch_dtype, eager=model.eager,
                       model_runner=model.model_runner, log_stats=setup.graph_metrics,
                       extra_args=("--cudagraph-metrics",) if setup.graph_metrics else (), device=setup.device)
@@ -924,7 +931,8 @@ def resume(doc: dict[str, Any], plan: dict[str, Any], work: Path) -> tuple[Sessi
     part's environment; each later part's goes under ``resumed``)."""
     if "plan" not in doc:
         raise SystemExit("--resume: serving.partial.json was saved before runs recorded their plan; run again")
-    saved = {"kvcached_env": [], "step_times": False, "omp_threads": None, **doc["plan"]}  # saved before these
+    saved = {"kvcached_env": [], "step_times": False, "omp_threads": None, "step_sample_us": 0,
+             **doc["plan"]}  # saved before these
     if differ := [f"{k}: saved {saved.get(k)!r}, asked {v!r}" for k, v in plan.items() if saved.get(k) != v]:
         raise SystemExit("--resume: not the run saved in serving.partial.json (" + "; ".join(differ) + ")")
     sess = Session(tuple(plan["phases"]), dict(plan["prompts"]), work, _setup(doc),
@@ -1003,6 +1011,10 @@ def main() -> int:
     ap.add_argument("--step-times", action="store_true",
                     help="time every engine step's scheduler on both sides (the harness's step timer): a "
                          "diagnostic run, reported per phase")
+    ap.add_argument("--step-samples", type=int, default=0, metavar="US",
+                    help="with --step-times: sample the scheduler's stack every US µs on both sides and save, beside "
+                         "each step log, whose code (vLLM's or which of kvcached's functions) its decode steps ran; "
+                         "slows the steps (a diagnostic run)")
     ap.add_argument("--kvcached-env", action="append", default=[], metavar="KVCACHED_NAME=VALUE",
                     help="more environment for the kvcached side (repeatable): an ablation of kvcached's knobs, "
                          "named in the report")
@@ -1020,7 +1032,12 @@ def main() -> int:
         print(render(args.out))
         return 0
     setup, known = SETUPS[args.device], DEVICE_MODELS[args.device]
-    setup = replace(setup, kvcached_env=kvcached_env(args.kvcached_env), step_times=args.step_times)
+    if args.step_samples and not args.step_times:
+        ap.error("--step-samples samples what the step timer times: add --step-times")
+    if args.step_samples < 0:
+        ap.error(f"--step-samples: {args.step_samples} µs is not an interval")
+    setup = replace(setup, kvcached_env=kvcached_env(args.kvcached_env), step_times=args.step_times,
+                    step_sample_us=args.step_samples)
     names = (args.models or ",".join(known)).split(",")
     rounds = args.rounds or setup.rounds
     if unknown := (set(names) - set(known)) | (set(args.phases.split(",")) - set(PHASE_ORDER)):
@@ -1035,7 +1052,7 @@ def main() -> int:
                              {"transformers": version("transformers")})
     plan = {"device": args.device, "models": names, "phases": list(phases), "prompts": prompts, "rounds": rounds,
             "kvcached_env": [list(kv) for kv in setup.kvcached_env], "step_times": setup.step_times,
-            "omp_threads": setup.omp_threads}
+            "omp_threads": setup.omp_threads, "step_sample_us": setup.step_sample_us}
     meta: dict[str, Any]
     if args.resume:  # a GPU lease ends within minutes: a run goes on over several calls
         partial = args.out / "serving.partial.json"

@@ -36,6 +36,11 @@
 #   1. the 1b run, 5 rounds, on a host that holds its pace (run-12-07c's servers ran the same vLLM
 #      code up to 1.3x apart), on a tree with 7bcb2e3 (one refill a schedule: a CPU prefill step
 #      1.56x -> 1.29x native, async); it cannot be resumed on another tree;
+#   1b. where a decode step's extra scheduler time goes on the GPU (the CPU's split:
+#      reports/bench/scheduler_decode_sampled): one sampled round, saturation only, ~200 s on an H100:
+#      fg 300 sampled python3 benchmarks/bench_serving.py --device cuda --models 1b --rounds 1 \
+#          --phases saturation --step-times --step-samples 100 --out /tmp/gpu-out/sampled \
+#          --logs /tmp/gpu-out/sampled/logs      (its *.steps.jsonl.samples.json: by whose code)
 #   2. (moot since d4ff39b: random prompts hit 1.1-1.9% on both sides) the cached-block cap's
 #      ablation, --kvcached-env KVCACHED_MAX_CACHED_BLOCKS=-1;
 #   3. the serving rows the default run leaves out, a model per run: --models 1b-eager, then

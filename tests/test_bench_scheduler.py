@@ -57,7 +57,7 @@ def _owner_seen_in(*modules: str) -> str:
     first (each calls the next; the innermost asks): the stack the sampler interrupts."""
     import sys as _sys
 
-    from bench_scheduler import _owner
+    from conformance.engine.step_sampler import owner as _owner
 
     def call() -> str:  # a frame of this test module: neither kvcached's nor vLLM's
         return _owner(_sys._getframe())

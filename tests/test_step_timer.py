@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,3 +72,44 @@ def test_a_steps_own_replays_are_read_between_its_schedule_and_the_next(tmp_path
     # At the updates the count already holds the next step's replays: read there, step 1 would
     # look like 18 replays and step 2 like none.
     assert [r[5] for r in rows] == [18, 18, 18, 18]
+
+
+def test_a_sampled_engine_saves_its_decode_steps_samples_by_owner(tmp_path: Path) -> None:
+    """With a sampling interval the timed calls' stacks are sampled, and the flush writes the
+    decode steps' samples (one token for each request) beside the log, by whose code ran."""
+    import json
+    import signal
+    import time
+    from types import SimpleNamespace
+
+    from conformance.engine.step_timer import instrument
+
+    scope: dict[str, object] = {"__name__": "vllm.v1.core.sched.fake", "time": time}
+    # vLLM's side of a call: busy until the sampler has seen it (bounded), never on a timer.
+    exec("def busy(seen, until):\n"  # noqa: S102
+         "    while not seen() and time.monotonic() < until:\n"
+         "        pass\n", scope)
+    busy: Any = scope["busy"]
+    tokens = iter([1, 5, 1])  # step 2 schedules 5 tokens for its one request: a prefill step
+
+    class Sampled(_Scheduler):
+        def schedule(self) -> object:
+            seen = len(log.sampler.samples)  # type: ignore[union-attr]
+            busy(lambda: len(log.sampler.samples) > seen, time.monotonic() + 5)  # type: ignore[union-attr]
+            return SimpleNamespace(num_scheduled_tokens={"r": 1}, total_num_scheduled_tokens=next(tokens))
+
+    sched = Sampled()
+    previous = signal.getsignal(signal.SIGALRM)
+    try:
+        log = instrument(sched, str(tmp_path / "steps.jsonl"), sample_us=200)
+        for _ in range(3):
+            sched.schedule()
+            sched.update_from_output()
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    log.flush()
+    saved = json.loads((tmp_path / "steps.jsonl.samples.json").read_text())
+    assert saved["interval_us"] == 200 and saved["steps"] == 2  # steps 1 and 3, not the prefill step
+    assert saved["samples"].get("schedule vllm", 0) >= 2  # each decode step's schedule was seen
+    assert set(saved["samples"]) <= {"schedule vllm", "schedule other", "update_from_output other"}
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # no timer left armed between calls

@@ -10,7 +10,8 @@ The harness reaches each through vLLM's own channels, never its own:
   (``engine_core.call_utility("conformance_call", name, ...)``, the channel vLLM's own
   ``collective_rpc`` utility uses). In-process engines call the same functions directly.
 * **Step timer** (`step_timer`): with ``CONFORMANCE_STEP_LOG=<path>`` as well, the EngineCore's
-  scheduler time per step goes to that file (a served engine's front end cannot make utility calls).
+  scheduler time per step goes to that file (a served engine's front end cannot make utility calls);
+  with ``CONFORMANCE_STEP_SAMPLE_US`` too, whose code its decode steps ran (`step_sampler`).
 * **Workers**: `WorkerAgent` is a vLLM worker extension (``worker_extension_cls``), whose
   methods ``LLM.collective_rpc`` calls by name on every rank.
 
@@ -49,7 +50,7 @@ def register() -> None:
     if step_log:  # a served engine's scheduler time per step (benchmarks/bench_serve_steps.py)
         from conformance.engine import step_timer
 
-        step_timer.install(step_log)
+        step_timer.install(step_log, int(os.environ.get(step_timer.SAMPLE_ENV) or 0))
 
 
 def conformance_call(core: Any, name: str, *args: Any) -> Any:

@@ -23,6 +23,11 @@ update, async scheduling has already launched the next step: 12-05's logs, which
 field, read one row late.) Rows go to the path, buffered: written every
 `FLUSH_EVERY` steps and whenever the engine runs out of requests (outside the timed
 region), and when the scheduler shuts down or the process exits.
+
+With ``CONFORMANCE_STEP_SAMPLE_US=<µs>`` as well, a `StepSampler` samples the stack of every
+timed call that often, and each flush writes ``<path>.samples.json``: the samples of the decode
+steps (those scheduling one token for each of their requests) by whose code ran, vLLM's or which
+of kvcached's functions (`conformance.engine.step_sampler`). Sampling slows the calls.
 """
 
 from __future__ import annotations
@@ -36,16 +41,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from conformance.engine.step_sampler import StepSampler, write_counts
+
 ENV = "CONFORMANCE_STEP_LOG"
+#: Sample the timed calls' stacks every this many µs (`conformance.engine.step_sampler`).
+SAMPLE_ENV = "CONFORMANCE_STEP_SAMPLE_US"
 FLUSH_EVERY = 256
 
 
 class StepLog:
     """Buffered rows of one scheduler, appended to ``path``."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, sampler: StepSampler | None = None) -> None:
         self.path = path
         self.rows: list[tuple[float, ...]] = []
+        self.sampler = sampler
+        self.decode_steps: list[int] = []  # the steps whose samples the sampler's file counts
 
     def flush(self) -> None:
         if not self.rows:
@@ -53,6 +64,8 @@ class StepLog:
         with open(self.path, "a", encoding="utf-8") as f:
             f.writelines(json.dumps(row) + "\n" for row in self.rows)
         self.rows.clear()
+        if self.sampler is not None:
+            write_counts(f"{self.path}.samples.json", self.sampler, self.decode_steps)
 
 
 class ReplayCounter:
@@ -85,9 +98,13 @@ def read_rows(path: str | Path) -> list[list[float]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def instrument(sched: Any, path: str) -> StepLog:
-    """Put the timed methods on ``sched`` (instance attributes) and return their log."""
-    log = StepLog(path)
+def instrument(sched: Any, path: str, sample_us: int = 0) -> StepLog:
+    """Put the timed methods on ``sched`` (instance attributes) and return their log. With
+    ``sample_us``, a `StepSampler` samples every call's stack that often, and the log's flush
+    writes the decode steps' samples (steps scheduling one token for each of their requests)
+    to ``PATH.samples.json`` (`step_sampler.write_counts`)."""
+    sampler = StepSampler(sample_us / 1e6) if sample_us else None
+    log = StepLog(path, sampler)
     schedule_fn = type(sched).schedule.__get__(sched)
     update_fn = type(sched).update_from_output.__get__(sched)
     shutdown_fn = type(sched).shutdown.__get__(sched)
@@ -95,21 +112,40 @@ def instrument(sched: Any, path: str) -> StepLog:
     clock = time.perf_counter
     pages = page_counts(sched)
 
+    counts = [0, 0]  # schedule calls, update calls: step i is the i-th of each
+
     def schedule(*args: Any, **kwargs: Any) -> Any:
         replays = ReplayCounter.count  # every replay since the last schedule is the last step's
+        if sampler is not None:
+            sampler.enter("schedule", counts[0])
+        counts[0] += 1
         t = clock()
-        out = schedule_fn(*args, **kwargs)
+        try:
+            out = schedule_fn(*args, **kwargs)
+        finally:
+            if sampler is not None:
+                sampler.exit()
         dt = clock() - t
         scheduled.append((time.time(), dt, len(out.num_scheduled_tokens), int(out.total_num_scheduled_tokens),
                           replays))
         return out
 
     def update_from_output(*args: Any, **kwargs: Any) -> Any:
+        step = counts[1]
+        if sampler is not None:
+            sampler.enter("update_from_output", step)
+        counts[1] += 1
         t = clock()
-        out = update_fn(*args, **kwargs)
+        try:
+            out = update_fn(*args, **kwargs)
+        finally:
+            if sampler is not None:
+                sampler.exit()
         dt = clock() - t
         if scheduled:
             wall, schedule_s, requests, tokens, replays = scheduled.popleft()
+            if tokens == requests:
+                log.decode_steps.append(step)
             log.rows.append((wall, schedule_s, dt, requests, tokens, ReplayCounter.count, *pages(), replays))
             if len(log.rows) >= FLUSH_EVERY or not sched.has_unfinished_requests():
                 log.flush()  # outside the timed region; idle: a reader may be waiting
@@ -141,8 +177,9 @@ def page_counts(sched: Any) -> Callable[[], tuple[int, int, int, int]]:
     return counts
 
 
-def install(path: str) -> None:
-    """Arrange for the first scheduler of this process to be timed (idempotent)."""
+def install(path: str, sample_us: int = 0) -> None:
+    """Arrange for the first scheduler of this process to be timed (idempotent); ``sample_us``:
+    and its calls' stacks sampled (`instrument`)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     original = Scheduler.schedule
@@ -151,7 +188,7 @@ def install(path: str) -> None:
 
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
         if "schedule" not in vars(self):
-            instrument(self, path)  # this first step runs untimed; every later one is timed
+            instrument(self, path, sample_us)  # this first step runs untimed; every later one is timed
         return original(self, *args, **kwargs)
 
     ReplayCounter.install()
