@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from conformance.engine.step_sampler import StepSampler
+from conformance.engine.step_sampler import StepSampler, per_step, split, split_rows
 from conformance.engine_env import without_kvcached
 from conformance.reporting import (
     RULE,
@@ -322,21 +322,12 @@ def summarize(pairs: list[Pair], full_tokens: int | None = None, decode: bool = 
 
 
 def sampled_per_step(pairs: list[Pair]) -> dict[str, list[float]]:
-    """Stack samples per decode step, by "CALL OWNER" and by call ("CALL all", "CALL kvcached"):
-    [native, kvcached], each the median over rounds (0 where a side has none)."""
-    def per_step(run: Run) -> dict[str, float]:
-        steps = max(1, sum(1 for t in run.scheduled_tokens if t == run.concurrency))
-        counts: dict[str, float] = {}
-        for key, n in run.samples.items():
-            call, owner = key.split(" ", 1)
-            for k in (key, f"{call} all", *([f"{call} kvcached"] if owner.startswith("kvcached") else [])):
-                counts[k] = counts.get(k, 0.0) + n / steps
-        return counts
+    """The decode steps' stack samples per step, [native, kvcached] by key (`step_sampler.split`)."""
+    def per(run: Run) -> dict[str, float]:
+        return per_step(run.samples, sum(1 for t in run.scheduled_tokens if t == run.concurrency))
 
-    sides = [(per_step(p.native), per_step(p.kvcached)) for p in pairs if p.native.samples and p.kvcached.samples]
-    keys = sorted({key for nat, kvc in sides for key in (*nat, *kvc)})
-    return {k: [statistics.median(n.get(k, 0.0) for n, _ in sides), statistics.median(kv.get(k, 0.0) for _, kv in sides)]
-            for k in keys}
+    rounds = [(per(p.native), per(p.kvcached)) for p in pairs if p.native.samples and p.kvcached.samples]
+    return split(rounds) if rounds else {}
 
 
 def _ms(xs: list[float]) -> str:
@@ -364,26 +355,9 @@ def _row(row: dict[str, Any]) -> dict[str, object]:
             "same schedule": "yes" if s["same_schedule"] else "NO"}
 
 
-#: kvcached's functions listed by name in the sampled table, per call (the rest are summed).
-SAMPLED_TOP = 6
-
-
 def _sampled_rows(row: dict[str, Any], sample_us: int) -> list[dict[str, object]]:
-    sampled, ms = row["summary"]["sampled"], sample_us / 1e3
-    rows = []
-    for call in ("schedule", "update_from_output"):
-        own = sorted((k for k in sampled if k.startswith(f"{call} kvcached ")), key=lambda k: -sampled[k][1])
-        listed = own[:SAMPLED_TOP]
-        rest = [sum(sampled[k][i] for k in own[SAMPLED_TOP:]) for i in (0, 1)]
-        for key, (nat, kvc) in [(f"{call} all", sampled.get(f"{call} all", [0, 0])),
-                                (f"{call} vllm", sampled.get(f"{call} vllm", [0, 0])),
-                                (f"{call} kvcached", sampled.get(f"{call} kvcached", [0, 0])),
-                                *((k, sampled[k]) for k in listed),
-                                *([(f"{call} kvcached the rest of kvcached", rest)] if own[SAMPLED_TOP:] else [])]:
-            rows.append({"scheduler": row["scheduler"], "concurrency": row["concurrency"], "call": call,
-                         "code": key.split(" ", 1)[1].removeprefix("kvcached "), "native ms/step": f"{nat * ms:.3f}",
-                         "kvcached ms/step": f"{kvc * ms:.3f}", "difference ms": f"{(kvc - nat) * ms:+.3f}"})
-    return rows
+    return [{"scheduler": row["scheduler"], "concurrency": row["concurrency"], **r}
+            for r in split_rows(row["summary"]["sampled"], sample_us)]
 
 
 def _sampled_section(result: dict[str, Any]) -> Section | None:

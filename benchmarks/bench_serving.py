@@ -61,6 +61,7 @@ from typing import Any
 
 from bench_client import BenchClient
 
+from conformance.engine.step_sampler import per_step, split, split_rows
 from conformance.engine_env import CPU_ENGINE_ENV
 from conformance.models import MODEL_SPECS, ModelSpec
 from conformance.reporting import (
@@ -306,6 +307,9 @@ class ServerFacts:
     graph_modes: dict[str, int] | None = None
     #: Seconds from the server's launch to its exit, phases included (None: saved before this field).
     wall_s: float | None = None
+    #: With ``--step-samples``: its decode steps' stack samples over the server's life, by whose code
+    #: ran (the step timer's ``*.steps.jsonl.samples.json``: interval_us, steps, samples).
+    samples: dict[str, Any] | None = None
 
 
 @dataclass
@@ -472,7 +476,17 @@ def serve_side(sess: Session, model: BenchModel, tok_dir: Path, side: str, rnd: 
     sess.servers.append(ServerFacts(model.name, side, rnd, server.start_s, int(server.proc.returncode), active,
                                     str(server.log_path), runner, pools[-1] if pools else None,
                                     graph_modes(log) if setup.graph_metrics else None,
-                                    round(time.monotonic() - launched, 1)))
+                                    round(time.monotonic() - launched, 1),
+                                    read_samples(step_log) if setup.step_sample_us else None))
+
+
+def read_samples(step_log: Path) -> dict[str, Any]:
+    """A sampled server's decode-step samples (`conformance.engine.step_timer` wrote them beside its
+    step log at each flush, the last at its shutdown)."""
+    path = Path(f"{step_log}.samples.json")
+    if not path.is_file():
+        raise RuntimeError(f"--step-samples: the server wrote no samples ({path})")
+    return dict(json.loads(path.read_text()))
 
 
 #: vLLM's Prometheus counters of prompt tokens its prefix cache was asked for, and served.
@@ -855,6 +869,8 @@ def build(doc: dict[str, Any]) -> Report:
         for phase, rows in doc["comparisons"][name].items():
             body.append(Section(_phase_title(doc, name, phase), (table(_row(c) for c in rows),)))
             verdicts += [f"{name} {phase} {c['label']} {c['verdict']}" for c in rows if c["verdict"]]
+        if sampled := _sampled_section(doc, name):
+            body.append(sampled)
     if _setup(doc).device != "cpu":
         body.insert(1, Section("kvcached/native per round", (Image("serving.png", "ratios per model and phase"),)))
     judged = [v for v in verdicts if "no verdict (" not in v]
@@ -864,6 +880,27 @@ def build(doc: dict[str, Any]) -> Report:
     return Report(subject="Online serving: `vllm serve` with kvcached against native",
                   headline=headline,
                   environment=saved_environment(doc), body=tuple(body), overview={"rounds": doc["rounds"]})
+
+
+def _sampled_section(doc: dict[str, Any], model: str) -> Section | None:
+    """Where a decode step's scheduler time goes on each side (``--step-samples``), median over rounds."""
+    by_round: dict[int, dict[str, dict[str, Any]]] = {}
+    for f in doc["servers"]:
+        if f["model"] == model and f.get("samples"):
+            by_round.setdefault(f["round"], {})[f["side"]] = f["samples"]
+    pairs = [(r["native"], r["kvcached"]) for r in by_round.values() if {"native", "kvcached"} <= set(r)]
+    if not pairs:
+        return None
+    interval = pairs[0][0]["interval_us"]
+    rounds = [(per_step(n["samples"], n["steps"]), per_step(k["samples"], k["steps"])) for n, k in pairs]
+    text = (f"{model}: a stack sample of each EngineCore's scheduler every {interval} µs of wall time inside "
+            "`schedule` and `update_from_output`, in the decode steps of the server's life (one token for each "
+            "request; all phases, warm-ups included), credited to the innermost frame of vLLM or of kvcached "
+            "(`conformance.engine.step_sampler`); ms/step = samples per decode step x the interval, median over "
+            f"{len(pairs)} round(s). The sampler slows the steps it samples: this run's ratios are not the ones "
+            "to quote.")
+    return Section(f"{model}: where a decode step's scheduler time goes (sampled)",
+                   (Paragraph(text), table(split_rows(split(rounds), interval))))
 
 
 PLOTTED = ("output_throughput", "p95_ttft_ms", "p95_tpot_ms")

@@ -398,3 +398,30 @@ def test_a_steps_own_replays_are_the_change_of_the_count_at_schedule_to_the_next
     eager = bs.annotate_rows([[*r[:10], 0] for r in rows])  # no replay anywhere: eager, or a CPU
     assert bs.decode_graph_pct(eager) is None
     assert bs.decode_graph_pct(bs.annotate_rows([r[:10] for r in rows])) is None  # a log before the field
+
+
+def _server(side: str, rnd: int, samples: dict[str, int] | None, steps: int = 10) -> dict[str, object]:
+    return {"model": "1b", "side": side, "round": rnd,
+            "samples": None if samples is None else {"interval_us": 100, "steps": steps, "samples": samples}}
+
+
+def test_the_sampled_section_splits_each_sides_decode_steps_by_whose_code_ran() -> None:
+    """``--step-samples``: per decode step, vLLM's time and each of kvcached's functions, median
+    over the rounds that sampled both sides; a server without samples adds no round."""
+    doc = {"servers": [
+        _server("native", 1, {"schedule vllm": 100}),
+        _server("kvcached", 1, {"schedule vllm": 110, "schedule kvcached kvcached.ledger:BlockLedger.allocate": 20}),
+        _server("native", 2, {"schedule vllm": 100}),
+        _server("kvcached", 2, {"schedule vllm": 130, "schedule kvcached kvcached.ledger:BlockLedger.allocate": 40}),
+        _server("native", 3, None),  # an unsampled round counts for neither side
+        _server("kvcached", 3, {"schedule vllm": 1000}),
+    ]}
+    section = bs._sampled_section(doc, "1b")
+    assert section is not None
+    rows = {(r["call"], r["code"]): r for r in section.blocks[1].frame.to_dict("records")}  # type: ignore[union-attr]
+    # 10 decode steps a server, a sample every 100 µs: 100 samples = 1 ms a step.
+    assert rows[("schedule", "vllm")]["native ms/step"] == "1.000"
+    assert rows[("schedule", "vllm")]["kvcached ms/step"] == "1.200"  # median of 1.1 and 1.3
+    assert rows[("schedule", "kvcached.ledger:BlockLedger.allocate")]["difference ms"] == "+0.300"
+    assert rows[("schedule", "all")]["kvcached ms/step"] == "1.500"
+    assert bs._sampled_section({"servers": [_server("native", 1, None)]}, "1b") is None

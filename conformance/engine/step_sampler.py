@@ -81,3 +81,45 @@ def write_counts(path: str | Path, sampler: StepSampler, steps: Iterable[int]) -
     wanted = sorted(set(steps))
     doc = {"interval_us": round(sampler.interval_s * 1e6), "steps": len(wanted), "samples": sampler.counts(wanted)}
     Path(path).write_text(json.dumps(doc, sort_keys=True) + "\n", encoding="utf-8")
+
+
+# ---- the split, as the reports show it ----------------------------------------------------------
+#: kvcached's functions a split names, per call, most samples first (the others are summed).
+TOP_FUNCTIONS = 6
+
+
+def per_step(samples: dict[str, int], steps: int) -> dict[str, float]:
+    """Samples per step by ``"CALL OWNER"``, with each call's totals ``"CALL all"`` and
+    ``"CALL kvcached"``."""
+    out: dict[str, float] = {}
+    for key, n in samples.items():
+        call, who = key.split(" ", 1)
+        for k in (key, f"{call} all", *([f"{call} kvcached"] if who.startswith("kvcached") else [])):
+            out[k] = out.get(k, 0.0) + n / max(steps, 1)
+    return out
+
+
+def split(rounds: list[tuple[dict[str, float], dict[str, float]]]) -> dict[str, list[float]]:
+    """``[native, kvcached]`` samples per step for every key of `per_step`, each the median over
+    ``rounds`` (pairs of `per_step` results; 0 where a side has none)."""
+    import statistics
+
+    keys = sorted({key for nat, kvc in rounds for key in (*nat, *kvc)})
+    return {k: [statistics.median(n.get(k, 0.0) for n, _ in rounds), statistics.median(c.get(k, 0.0) for _, c in rounds)]
+            for k in keys}
+
+
+def split_rows(sampled: dict[str, list[float]], interval_us: int) -> list[dict[str, object]]:
+    """A `split` as table rows, ms per step: per call its whole time, vLLM's, kvcached's, then
+    kvcached's `TOP_FUNCTIONS` busiest functions and the rest of kvcached."""
+    ms = interval_us / 1e3
+    rows: list[dict[str, object]] = []
+    for call in ("schedule", "update_from_output"):
+        own = sorted((k for k in sampled if k.startswith(f"{call} kvcached ")), key=lambda k: -sampled[k][1])
+        rest = [sum(sampled[k][i] for k in own[TOP_FUNCTIONS:]) for i in (0, 1)]
+        entries = [(what, sampled.get(f"{call} {what}", [0.0, 0.0])) for what in ("all", "vllm", "kvcached")]
+        entries += [(k.split(" ", 2)[2], sampled[k]) for k in own[:TOP_FUNCTIONS]]
+        entries += [("the rest of kvcached", rest)] if own[TOP_FUNCTIONS:] else []
+        rows += [{"call": call, "code": what, "native ms/step": f"{nat * ms:.3f}", "kvcached ms/step": f"{kvc * ms:.3f}",
+                  "difference ms": f"{(kvc - nat) * ms:+.3f}"} for what, (nat, kvc) in entries]
+    return rows
