@@ -40,7 +40,7 @@
 #      reports/bench/scheduler_decode_sampled): one sampled round, saturation only, ~200 s on an H100:
 #      fg 300 sampled python3 benchmarks/bench_serving.py --device cuda --models 1b --rounds 1 \
 #          --phases saturation --step-times --step-samples 100 --out /tmp/gpu-out/sampled \
-#          --logs /tmp/gpu-out/sampled/logs      (its *.steps.jsonl.samples.json: by whose code)
+#          --logs /tmp/gpu-out/sampled/logs      (its report splits a decode step by whose code ran)
 #   2. (moot since d4ff39b: random prompts hit 1.1-1.9% on both sides) the cached-block cap's
 #      ablation, --kvcached-env KVCACHED_MAX_CACHED_BLOCKS=-1;
 #   3. the serving rows the default run leaves out, a model per run: --models 1b-eager, then
