@@ -34,6 +34,14 @@ class Backend {
   // Returns the slot's physical memory to the OS / device.
   virtual void release(std::size_t offset) = 0;
 
+  // Whether an unmap since the last call had to leave its slot a mapping of its own (CPU: at
+  // the OS mapping limit); clears the flag. RangeState then calls `coalesce`.
+  virtual bool take_fallbacks() noexcept { return false; }
+  // Makes [offset, offset + length), slots none of which is mapped, one inaccessible
+  // reservation again, so that the mappings a fallback left go back to the OS. Best effort:
+  // the slots are inaccessible either way.
+  virtual void coalesce(std::size_t /*offset*/, std::size_t /*length*/) noexcept {}
+
   // Bytes of physical memory that could still be created right now.
   virtual std::size_t physical_available() = 0;
   // Physical bytes currently held by this range.

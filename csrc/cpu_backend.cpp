@@ -35,13 +35,23 @@ std::uintptr_t CpuBackend::reserve(std::size_t size) {
   // huge shmem folio where shmem THP is enabled. Over-reserve, then trim.
   const std::size_t align = page_size_ < kHugeAlign ? page_size_ : kHugeAlign;
   const std::size_t slack = align > os_page_size() ? align : 0;
-  void* raw = mmap(nullptr, size + slack, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  const std::size_t token = os_page_size();  // see `coalesce`
+  void* raw = mmap(nullptr, size + token + slack, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (raw == MAP_FAILED) throw_os("mmap(reserve " + std::to_string(size) + " bytes)", errno);
   auto start = reinterpret_cast<std::uintptr_t>(raw);
   std::uintptr_t aligned = slack ? (start + align - 1) / align * align : start;
-  const std::uintptr_t end = start + size + slack;
+  const std::uintptr_t end = start + size + token + slack;
   if (aligned > start) munmap(raw, aligned - start);
-  if (end > aligned + size) munmap(reinterpret_cast<void*>(aligned + size), end - (aligned + size));
+  if (end > aligned + size + token) {
+    munmap(reinterpret_cast<void*>(aligned + size + token), end - (aligned + size + token));
+  }
+  // The page after the range: readable, so never merged with the reservation, it is a mapping
+  // of its own that `coalesce` can give up.
+  token_ = reinterpret_cast<char*>(aligned + size);
+  if (mprotect(token_, token, PROT_READ) != 0) {
+    munmap(token_, token);
+    token_ = nullptr;
+  }
   void* p = reinterpret_cast<void*>(aligned);
   int fd = memfd_create("kvcached", MFD_CLOEXEC);
   if (fd < 0) {
@@ -66,6 +76,10 @@ void CpuBackend::free_reservation() noexcept {
   if (base_ != nullptr) {
     munmap(base_, size_);
     base_ = nullptr;
+  }
+  if (token_ != nullptr) {
+    munmap(token_, os_page_size());
+    token_ = nullptr;
   }
   if (fd_ >= 0) {
     close(fd_);
@@ -98,8 +112,40 @@ void CpuBackend::unmap(std::size_t offset) {
   // rollback runs, so fall back to revoking access on the slot's existing
   // mapping: no new VMA is needed when the slot is a VMA of its own, any
   // access still faults, and release() still punches the memory out.
-  if (err == ENOMEM && mprotect(want, page_size_, PROT_NONE) == 0) return;
+  if (err == ENOMEM && mprotect(want, page_size_, PROT_NONE) == 0) {
+    // The slot stays a mapping of its own: at the limit, every later map that splits the
+    // reservation would fail, so RangeState gives the run back in one piece (`coalesce`).
+    fell_back_ = true;
+    return;
+  }
   throw_os("mmap(unmap slot)", err);
+}
+
+bool CpuBackend::take_fallbacks() noexcept {
+  bool fell_back = fell_back_;
+  fell_back_ = false;
+  return fell_back;
+}
+
+void CpuBackend::coalesce(std::size_t offset, std::size_t length) noexcept {
+  // One mapping replaces every mapping of the run, which starts and ends at mapping
+  // boundaries (a mapped slot, or the range's ends): no split. But a map refused at the limit
+  // can leave the process one mapping above it, where the OS refuses any mmap; giving up the
+  // token page first brings it back to the limit (measured: 65,531 mappings, every mmap
+  // refused; then one mapping for the run). The token is outside the range, so taking it back
+  // (NOREPLACE) may find the address used by someone else: then the range has none.
+  const std::size_t token = os_page_size();
+  if (token_ != nullptr) {
+    munmap(token_, token);
+  }
+  (void)mmap(base_ + offset, length, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+  if (token_ != nullptr) {
+    void* got = mmap(token_, token, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+    if (got != token_) {
+      if (got != MAP_FAILED) munmap(got, token);  // a kernel without NOREPLACE placed it elsewhere
+      token_ = nullptr;
+    }
+  }
 }
 
 void CpuBackend::release(std::size_t offset) {

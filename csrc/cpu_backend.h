@@ -24,6 +24,8 @@ class CpuBackend final : public Backend {
   void map(std::size_t offset) override;
   void unmap(std::size_t offset) override;
   void release(std::size_t offset) override;
+  bool take_fallbacks() noexcept override;
+  void coalesce(std::size_t offset, std::size_t length) noexcept override;
   std::size_t physical_available() override;
   std::size_t committed_bytes(std::size_t num_mapped) override;
   int dl_device_type() const noexcept override { return 1; }  // kDLCPU
@@ -35,6 +37,8 @@ class CpuBackend final : public Backend {
   std::size_t size_ = 0;
   char* base_ = nullptr;
   int fd_ = -1;
+  bool fell_back_ = false;  // an unmap revoked access in place (see `unmap`)
+  char* token_ = nullptr;   // the page after the range, a mapping `coalesce` can give up
 };
 
 }  // namespace kvcached

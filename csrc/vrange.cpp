@@ -156,7 +156,35 @@ void RangeState::map(const std::vector<std::int64_t>& pages) {
         // is what the caller sees.
       }
     }
+    coalesce_after_fallbacks_locked(pages, pages.size());
     throw;
+  }
+}
+
+void RangeState::coalesce_after_fallbacks_locked(const std::vector<std::int64_t>& pages,
+                                                 std::size_t count) noexcept {
+  // A batch that reached the OS mapping limit is rolled back by unmaps that leave each slot a
+  // mapping of its own (CpuBackend::unmap); the range would then hold the process at the limit,
+  // and every later map would fail. Every maximal run of unmapped slots between the batch's
+  // lowest and highest page goes back as one reservation. Only after a fallback: the normal
+  // path never scans. Nothing here allocates: at the limit malloc's own mmap fails too.
+  if (!backend_->take_fallbacks() || count == 0) return;
+  std::size_t lo = mapped_.size(), hi = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    lo = std::min(lo, static_cast<std::size_t>(pages[i]));
+    hi = std::max(hi, static_cast<std::size_t>(pages[i]));
+  }
+  std::size_t p = lo;
+  while (p > 0 && !mapped_[p - 1]) --p;  // the first run starts where the slots below are mapped
+  while (p <= hi) {
+    if (mapped_[p]) {
+      ++p;
+      continue;
+    }
+    std::size_t end = p + 1;
+    while (end < mapped_.size() && !mapped_[end]) ++end;
+    backend_->coalesce(p * page_size_, (end - p) * page_size_);
+    p = end;
   }
 }
 
@@ -164,7 +192,14 @@ void RangeState::unmap(const std::vector<std::int64_t>& pages) {
   std::lock_guard<std::mutex> lock(mu_);
   check_open();
   check_batch_locked(pages, /*want_mapped=*/true, "unmap");
-  for (std::int64_t raw : pages) unmap_one_locked(static_cast<std::size_t>(raw));
+  std::size_t done = 0;
+  try {
+    for (; done < pages.size(); ++done) unmap_one_locked(static_cast<std::size_t>(pages[done]));
+  } catch (...) {
+    coalesce_after_fallbacks_locked(pages, done);
+    throw;
+  }
+  coalesce_after_fallbacks_locked(pages, done);
 }
 
 bool RangeState::is_mapped(std::int64_t page) {

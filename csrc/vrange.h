@@ -62,6 +62,7 @@ class RangeState {
   void check_batch_locked(const std::vector<std::int64_t>& pages, bool want_mapped, const char* op) const;
   void map_one_locked(std::size_t page);
   void unmap_one_locked(std::size_t page);
+  void coalesce_after_fallbacks_locked(const std::vector<std::int64_t>& pages, std::size_t count) noexcept;
 
   std::mutex mu_;
   std::unique_ptr<Backend> backend_;

@@ -297,6 +297,45 @@ def test_map_is_all_or_nothing_when_the_os_refuses_mid_batch() -> None:
     assert res.stdout.split("\n")[:2] == ["PhysicalMemoryExhausted 0 0", "after [1, 3]"]
 
 
+def test_a_batch_refused_at_the_mapping_limit_gives_every_mapping_back() -> None:
+    """Refused at vm.max_map_count, a batch's rollback leaves each slot a mapping of its own when
+    the OS cannot build the replacement; whether it can depends on the process's count at the
+    failure (odd or even: the OS may be left one above its limit). Either way the range ends as
+    one reservation again, so the process is not held at the limit. Four ranges, each after one
+    more mapping of the process's own, meet both counts."""
+    with open("/proc/sys/vm/max_map_count") as f:
+        max_maps = int(f.read())
+    if max_maps > 1 << 20:
+        pytest.skip(f"vm.max_map_count={max_maps} is too large to reach cheaply")
+    res = run_python(
+        f"""
+        import mmap
+        from kvcached import _vmm
+        from kvcached.errors import BackendError
+        def mappings():
+            with open("/proc/self/maps") as f:
+                return sum(1 for _ in f)
+        n = 2 * {max_maps} + 4096
+        kept = []
+        for _ in range(4):
+            kept.append(mmap.mmap(-1, 4096))  # one mapping more than the last range saw
+            r = _vmm.VirtualRange("cpu", n * 4096, 4096)
+            before = mappings()
+            try:
+                r.map(range(0, n, 2))
+            except BackendError as e:
+                refused = type(e).__name__
+            left = mappings() - before
+            r.map([1, 3])
+            print(refused, r.num_mapped, "left", 0 <= left <= 8, left)
+            r.close()
+        """
+    )
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.split("\n")[:4]
+    assert all(line.startswith("PhysicalMemoryExhausted 2 left True") for line in lines), lines
+
+
 # ---------------------------------------------------------------------------------------
 # DLPack views and lifetime
 # ---------------------------------------------------------------------------------------
