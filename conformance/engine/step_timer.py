@@ -108,17 +108,18 @@ def instrument(sched: Any, path: str, sample_us: int = 0) -> StepLog:
     schedule_fn = type(sched).schedule.__get__(sched)
     update_fn = type(sched).update_from_output.__get__(sched)
     shutdown_fn = type(sched).shutdown.__get__(sched)
-    scheduled: deque[tuple[float, float, int, int, int]] = deque()  # steps awaiting their update
+    # Steps awaiting their update: (wall, schedule s, requests, tokens, replays, step number).
+    scheduled: deque[tuple[float, float, int, int, int, int]] = deque()
     clock = time.perf_counter
     pages = page_counts(sched)
-
-    counts = [0, 0]  # schedule calls, update calls: step i is the i-th of each
+    timed = [0]  # timed schedule calls so far: a step's number, for its samples
 
     def schedule(*args: Any, **kwargs: Any) -> Any:
         replays = ReplayCounter.count  # every replay since the last schedule is the last step's
+        step = timed[0]
+        timed[0] += 1
         if sampler is not None:
-            sampler.enter("schedule", counts[0])
-        counts[0] += 1
+            sampler.enter("schedule", step)
         t = clock()
         try:
             out = schedule_fn(*args, **kwargs)
@@ -127,14 +128,12 @@ def instrument(sched: Any, path: str, sample_us: int = 0) -> StepLog:
                 sampler.exit()
         dt = clock() - t
         scheduled.append((time.time(), dt, len(out.num_scheduled_tokens), int(out.total_num_scheduled_tokens),
-                          replays))
+                          replays, step))
         return out
 
     def update_from_output(*args: Any, **kwargs: Any) -> Any:
-        step = counts[1]
-        if sampler is not None:
-            sampler.enter("update_from_output", step)
-        counts[1] += 1
+        if sampler is not None:  # the samples of the step this update completes in the log (-1: none)
+            sampler.enter("update_from_output", scheduled[0][-1] if scheduled else -1)
         t = clock()
         try:
             out = update_fn(*args, **kwargs)
@@ -143,7 +142,7 @@ def instrument(sched: Any, path: str, sample_us: int = 0) -> StepLog:
                 sampler.exit()
         dt = clock() - t
         if scheduled:
-            wall, schedule_s, requests, tokens, replays = scheduled.popleft()
+            wall, schedule_s, requests, tokens, replays, step = scheduled.popleft()
             if tokens == requests:
                 log.decode_steps.append(step)
             log.rows.append((wall, schedule_s, dt, requests, tokens, ReplayCounter.count, *pages(), replays))
