@@ -143,6 +143,11 @@ def _driver_calls() -> int:
     return sum(s.path_pages for s in kvcached.stats().values())
 
 
+def decode_steps(tokens: list[int], concurrency: int) -> list[int]:
+    """The steps that scheduled one token for each request: the decode steps of a run."""
+    return [i for i, t in enumerate(tokens) if t == concurrency]
+
+
 class StepTimer:
     """Times ``schedule`` and ``update_from_output`` of one scheduler instance, per call
     (and with a `StepSampler`, tells it which call of which step it is in)."""
@@ -186,7 +191,7 @@ class StepTimer:
     def run(self, concurrency: int) -> Run:
         """Step i = the i-th schedule and the i-th update (async scheduling runs one ahead)."""
         n = min(len(self.schedule_s), len(self.update_s))
-        decode = {i for i in range(n) if self.tokens[i] == concurrency}
+        decode = decode_steps(self.tokens[:n], concurrency)
         return Run(concurrency, [self.schedule_s[i] + self.update_s[i] for i in range(n)],
                    [self.schedule_calls[i] + self.update_calls[i] for i in range(n)], self.tokens[:n],
                    self.sampler.counts(decode) if self.sampler is not None else {})
@@ -278,9 +283,13 @@ class Pair:
     def driver_free(self) -> list[int]:
         return [i for i in self.all_steps if self.kvcached.driver_calls[i] == 0]
 
-    def scheduling(self, tokens: int) -> list[int]:
-        """The steps that scheduled ``tokens``: the step's token budget (full prefill steps), or
-        the concurrency (decode steps: one token for each request)."""
+    @property
+    def decode(self) -> list[int]:
+        """The decode steps (`decode_steps`), as both sides ran them."""
+        return decode_steps(self.native.scheduled_tokens[: len(self.all_steps)], self.native.concurrency)
+
+    def full(self, tokens: int) -> list[int]:
+        """The steps that scheduled ``tokens`` (the step's token budget: full prefill steps)."""
         return [i for i in self.all_steps if self.native.scheduled_tokens[i] == tokens]
 
     def totals(self) -> tuple[float, float]:
@@ -293,8 +302,8 @@ def summarize(pairs: list[Pair], full_tokens: int | None = None, decode: bool = 
     per_step = [p.medians(p.all_steps) for p in pairs]
     free = [p.medians(p.driver_free) for p in pairs if p.driver_free]
     totals = [p.totals() for p in pairs]
-    full = [p.medians(steps) for p in pairs if full_tokens and (steps := p.scheduling(full_tokens))]
-    decoding = [p.medians(steps) for p in pairs if decode and (steps := p.scheduling(p.native.concurrency))]
+    full = [p.medians(steps) for p in pairs if full_tokens and (steps := p.full(full_tokens))]
+    decoding = [p.medians(p.decode) for p in pairs if decode and p.decode]
 
     def side(xs: list[tuple[float, float]], i: int) -> list[float]:
         return [x[i] for x in xs]
@@ -309,7 +318,7 @@ def summarize(pairs: list[Pair], full_tokens: int | None = None, decode: bool = 
         "driver_calls": statistics.median(sum(p.kvcached.driver_calls) for p in pairs),
     }
     if decoding:
-        out["decode_step_count"] = statistics.median(len(p.scheduling(p.native.concurrency)) for p in pairs)
+        out["decode_step_count"] = statistics.median(len(p.decode) for p in pairs)
     if sampled := sampled_per_step(pairs):
         out["sampled"] = sampled
     for name, xs in (("per_step", per_step), ("driver_free", free), ("total", totals), ("full_steps", full),
@@ -324,7 +333,7 @@ def summarize(pairs: list[Pair], full_tokens: int | None = None, decode: bool = 
 def sampled_per_step(pairs: list[Pair]) -> dict[str, list[float]]:
     """The decode steps' stack samples per step, [native, kvcached] by key (`step_sampler.split`)."""
     def per(run: Run) -> dict[str, float]:
-        return per_step(run.samples, sum(1 for t in run.scheduled_tokens if t == run.concurrency))
+        return per_step(run.samples, len(decode_steps(run.scheduled_tokens, run.concurrency)))
 
     rounds = [(per(p.native), per(p.kvcached)) for p in pairs if p.native.samples and p.kvcached.samples]
     return split(rounds) if rounds else {}
@@ -411,6 +420,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench")
     ap.add_argument("--render", action="store_true", help="render the report again from scheduler.json in --out")
     args = ap.parse_args()
+    if args.sample_us < 0:
+        ap.error(f"--sample-us: {args.sample_us} µs is not an interval")
     workload = WORKLOADS[args.workload]
     if args.render:
         saved = json.loads((args.out / f"{workload.report}.json").read_text())
