@@ -440,7 +440,9 @@ def serve_side(sess: Session, model: BenchModel, tok_dir: Path, side: str, rnd: 
         extra += (("VLLM_PLUGINS", "kvcached,conformance_agent" if side == "kvcached" else "conformance_agent"),
                   ("CONFORMANCE_AGENT", "1"), ("CONFORMANCE_STEP_LOG", str(step_log)))
         if setup.step_sample_us:
-            extra += (("CONFORMANCE_STEP_SAMPLE_US", str(setup.step_sample_us)),)
+            from conformance.engine.step_timer import SAMPLE_ENV
+
+            extra += ((SAMPLE_ENV, str(setup.step_sample_us)),)
     spec = ServerSpec(side, side == "kvcached", extra_env=extra, dtype=model.spec.torch_dtype, eager=model.eager,
                       model_runner=model.model_runner, log_stats=setup.graph_metrics,
                       extra_args=("--cudagraph-metrics",) if setup.graph_metrics else (), device=setup.device)
@@ -483,7 +485,9 @@ def serve_side(sess: Session, model: BenchModel, tok_dir: Path, side: str, rnd: 
 def read_samples(step_log: Path) -> dict[str, Any]:
     """A sampled server's decode-step samples (`conformance.engine.step_timer` wrote them beside its
     step log at each flush, the last at its shutdown)."""
-    path = Path(f"{step_log}.samples.json")
+    from conformance.engine.step_timer import samples_path
+
+    path = samples_path(step_log)
     if not path.is_file():
         raise RuntimeError(f"--step-samples: the server wrote no samples ({path})")
     return dict(json.loads(path.read_text()))

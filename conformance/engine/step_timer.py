@@ -49,6 +49,11 @@ SAMPLE_ENV = "CONFORMANCE_STEP_SAMPLE_US"
 FLUSH_EVERY = 256
 
 
+def samples_path(step_log: str | Path) -> Path:
+    """Where a sampled step log's decode-step samples go (`StepLog.flush`), beside it."""
+    return Path(f"{step_log}.samples.json")
+
+
 class StepLog:
     """Buffered rows of one scheduler, appended to ``path``."""
 
@@ -65,7 +70,7 @@ class StepLog:
             f.writelines(json.dumps(row) + "\n" for row in self.rows)
         self.rows.clear()
         if self.sampler is not None:
-            write_counts(f"{self.path}.samples.json", self.sampler, self.decode_steps)
+            write_counts(samples_path(self.path), self.sampler, self.decode_steps)
 
 
 class ReplayCounter:
