@@ -28,18 +28,23 @@ as an in-process CUDA worker runs them), and a column for the full prefill steps
 host so far such a step scheduled in 1.6-2.0x native's time. ``--workload decode`` is the same
 engine and prompts, run with more output tokens (``--max-tokens 96``), and a column for the
 decode steps, those scheduling one token for each request: the GPU run's saturation phase is
-1,024 tokens in and 256 out, so nearly every step it runs is one.
+1,024 tokens in and 256 out, so nearly every step it runs is one. ``--workload decode-full``
+runs a wave of other prompts first and keeps their blocks cached; with ``--blocks`` near two
+waves' worth (10240 at 128 requests of 1,024 + 96 tokens) the timed wave runs with the pool
+full of cached blocks and every CLEAN block mapped, a serving engine's state after its first
+waves.
 
 Verdict rule: "met" when the median ratio meets the target, "inconclusive" when the
 spread of the per-round ratios crosses it, "missed" otherwise. Run it on a quiet machine.
 
     python benchmarks/bench_scheduler.py [--rounds 5] [--blocks 1000,10000,100000]
         [--concurrency 64,256] [--schedulers sync,async] [--max-tokens 32] [--page-size 65536]
-        [--workload shared-prefix|prefill|decode] [--out reports/bench] [--render]
+        [--workload shared-prefix|prefill|decode|decode-full] [--out reports/bench] [--render]
 
-Writes ``scheduler.json`` (``scheduler_prefill.json``, ``scheduler_decode.json`` for those workloads; with the
-environment block) and the report (``.md``, ``.html``, ``.csv``) through
-``conformance.reporting``; ``--render`` writes the report again from the JSON, running nothing.
+Writes ``scheduler.json`` (``scheduler_prefill.json``, ``scheduler_decode.json``,
+``scheduler_decode_full.json`` for those workloads; with the environment block) and the report
+(``.md``, ``.html``, ``.csv``) through ``conformance.reporting``; ``--render`` writes the report
+again from the JSON, running nothing.
 """
 
 from __future__ import annotations
@@ -109,6 +114,10 @@ class Workload:
     env: tuple[tuple[str, str], ...] = ()  # more for the kvcached side
     report: str = "scheduler"  # the report's file stem under --out
     decode_steps: bool = False  # a column for the decode steps (one token for each request)
+    #: A wave of other prompts first, whose blocks stay cached: with ``--blocks`` near two
+    #: waves' worth, the timed wave runs with its pool full of cached blocks, as a serving
+    #: engine's is after its first waves.
+    full_pool: bool = False
 
     def prompts(self, n: int, seed: int = 0) -> list[list[int]]:
         import random
@@ -135,6 +144,10 @@ WORKLOADS = {
                       described=f"{_SERVING_SHAPE} (decode steps, one token a request: native ms / kvcached ms: "
                                 "ratio)"),
 }
+WORKLOADS["decode-full"] = replace(
+    WORKLOADS["decode"], name="decode-full", report="scheduler_decode_full", full_pool=True,
+    described=f"{_SERVING_SHAPE}, after a wave of other prompts whose blocks stay cached (the pool full of "
+              "cached blocks; decode steps, one token a request: native ms / kvcached ms: ratio)")
 
 
 def _driver_calls() -> int:
@@ -229,6 +242,9 @@ def child(spec: dict[str, Any]) -> None:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in workload.prompts(concurrency)]
         llm.generate(prompts[:4], sp, use_tqdm=False)  # warm-up
         llm.reset_prefix_cache()
+        if workload.full_pool:
+            others = [TokensPrompt(prompt_token_ids=p) for p in workload.prompts(concurrency, seed=1)]
+            llm.generate(others, sp, use_tqdm=False)
         timer.reset()
         if sampler is not None:
             sampler.samples.clear()

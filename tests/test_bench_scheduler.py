@@ -46,8 +46,9 @@ def test_the_prefill_column_sees_a_slower_prefill_step_and_not_the_decode_steps(
     assert s["decode_steps"]["verdict"] == "met"
 
 
-def test_only_the_decode_workload_asks_for_the_column() -> None:
-    assert [w.name for w in WORKLOADS.values() if w.decode_steps] == ["decode"]
+def test_only_the_decode_workloads_ask_for_the_column() -> None:
+    assert [w.name for w in WORKLOADS.values() if w.decode_steps] == ["decode", "decode-full"]
+    assert [w.name for w in WORKLOADS.values() if w.full_pool] == ["decode-full"]
     s = summarize([Pair(_run(0.002, 0.001), _run(0.002, 0.002))], BUDGET)
     assert "decode_steps" not in s and "decode_step_count" not in s
 
