@@ -185,3 +185,43 @@ def test_the_decode_path_skips_admission_exactly_when_admit_running_says_so(publ
         seen.add(expected)
         assert (len(admissions) == before) == expected, f"{n} new tokens, {pool.ledger.backed_free} backed free"
     assert seen == {True, False}, "both branches were taken"
+
+
+def test_an_open_schedule_call_skips_the_gate_and_admission_for_running_requests(published) -> None:
+    """`ElasticBlockPool.begin_schedule` on the real manager and pool: while every CLEAN block
+    is backed, a running request's calls neither ask `admit_running` nor admit, and take the
+    blocks native would count; after `end_schedule` the gate is asked again."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request, RequestStatus
+
+    manager = KVCacheManager(config(full()), max_model_len=1024, scheduler_block_size=16, hash_block_size=16)
+    pool = manager.block_pool
+    assert isinstance(pool, ElasticBlockPool)
+    published.append(pool)
+    pool.running_block_sizes = (16,)
+    asked: list[str] = []
+    begin, gate = pool.begin_admission, pool.admit_running
+    pool.begin_admission = lambda *a, **k: asked.append("admission") or begin(*a, **k)  # type: ignore[method-assign]
+    pool.admit_running = lambda n: asked.append("gate") or gate(n)  # type: ignore[method-assign]
+    init_none_hash(sha256)
+    request = Request("r", list(range(3, 23)), SamplingParams(max_tokens=400), None,
+                      block_hasher=get_request_block_hasher(16, sha256))
+    assert manager.allocate_slots(request, 20) is not None and asked == ["admission"]
+    request.status = RequestStatus.RUNNING
+    request.num_computed_tokens = 20
+    pool.ledger.ensure_backed(pool.ledger.num_free)
+    pool.begin_schedule()
+    assert pool.running_open
+    for n in (1, 40, 1, 90):
+        free = pool.free_block_queue.num_free_blocks
+        new = manager.allocate_slots(request, n)
+        assert new is not None and pool.free_block_queue.num_free_blocks == free - len(new.blocks[0])
+        request.num_computed_tokens += n
+    assert asked == ["admission"], "no gate, no admission while open"
+    pool.end_schedule()
+    manager.allocate_slots(request, 1)
+    assert asked == ["admission", "gate"]
+    pool.check()

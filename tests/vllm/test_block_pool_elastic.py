@@ -486,3 +486,28 @@ def test_a_pool_full_of_cached_blocks_skips_admission_for_running_requests(rigs)
     other.running_block_sizes = (BLOCK,)
     assert other.ledger.backed_free == 3 < other.ledger.num_free
     assert not other.admit_running(BLOCK * 2)
+
+
+def test_a_schedule_call_opens_the_gate_exactly_when_every_clean_block_is_backed(rigs) -> None:
+    """`begin_schedule` caches `admit_running`'s second test for one schedule call (closed:
+    a CLEAN block unbacked, faults injected, no group sizes, or after `end_schedule`). Open or
+    closed, the free count without a demand is the same: open only skips the work."""
+    pool = rigs().pool
+    pool.running_block_sizes = (BLOCK,)
+    for mapped_all in (False, True):
+        if mapped_all:
+            pool.ledger.ensure_backed(pool.ledger.num_free)
+        pool.begin_schedule()
+        assert pool.running_open is mapped_all, f"every CLEAN block backed: {mapped_all}"
+        expected = 15 if mapped_all else 3  # the native count once every CLEAN block is backed
+        assert pool.get_num_free_blocks() == expected
+        pool.end_schedule()
+        assert not pool.running_open and pool.get_num_free_blocks() == expected
+    pool.running_block_sizes = ()  # a group that is not full attention: no gate
+    pool.begin_schedule()
+    assert not pool.running_open
+    faulty = rigs(faults=FaultInjector.from_plans([])).pool
+    faulty.running_block_sizes = (BLOCK,)
+    faulty.ledger.ensure_backed(faulty.ledger.num_free)
+    faulty.begin_schedule()
+    assert not faulty.running_open, "off while faults are injected, as the gate is"

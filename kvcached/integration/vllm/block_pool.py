@@ -147,6 +147,7 @@ class ElasticBlockPool(BlockPool):
         "_admission", "_aliases", "_cached", "_cap", "_closed_detached", "_config", "_demand",
         "_faults", "_fence", "_finalizer", "_idle_grace", "_logical_view", "_name", "_running_block_sizes",
         "_step_tokens", "_stranded", "arena", "config", "faults", "fence", "ledger", "page_pool", "running_gate",
+        "running_open",
     )
 
     config: KvcachedConfig
@@ -188,6 +189,9 @@ class ElasticBlockPool(BlockPool):
         self._step_tokens = 0  # `set_step_tokens`; 0: unknown
         #: ``(groups, smallest block size)`` while `admit_running` may say yes, else None.
         self.running_gate: tuple[int, int] | None = None
+        #: True while one ``schedule`` call runs with the gate open to every running request
+        #: (`begin_schedule`).
+        self.running_open = False
         self._logical_view = False
         self._idle_grace: IdleGrace | None = None  # `set_idle_post`
         self.arena: ElasticArena | None = None
@@ -313,6 +317,21 @@ class ElasticBlockPool(BlockPool):
         self._demand = NO_DEMAND
         return True
 
+    def begin_schedule(self) -> None:
+        """Open the gate to every running request for one ``schedule`` call if its second
+        test holds as the call begins: every CLEAN block is backed (a busy engine's steady
+        state, its pool full of cached blocks). Nothing a schedule call does makes that
+        false: only a step's end (``collect``), a limit's ``shed`` and the idle grace unmap
+        pages; a block freed while scheduling (a preemption) was in use, so its page is
+        mapped; reclaim makes CLEAN blocks of cached ones, which are held. The seam then
+        skips `admit_running`'s call on the decode path, and `get_num_free_blocks` answers
+        the native count without a demand, which is `_backable`'s answer then. Off while
+        faults are injected, as the gate is; `end_schedule` closes it."""
+        self.running_open = self.running_gate is not None and self.ledger.backed_free >= self.ledger.num_free
+
+    def end_schedule(self) -> None:
+        self.running_open = False
+
     def note_demand(self, num_blocks: int, new_computed_blocks: Iterable[Sequence[KVCacheBlock]] = ()) -> None:
         """Record what the next `get_num_free_blocks` call is asked to cover.
 
@@ -435,9 +454,9 @@ class ElasticBlockPool(BlockPool):
         """Free blocks `get_new_blocks` can hand out now without mapping; <= the native count."""
         native = self.free_block_queue.num_free_blocks
         demand, self._demand = self._demand, None
-        if demand is NO_DEMAND or self._logical_view:
-            # Nothing it allocates needs a map (or it allocates nothing): the native count
-            # gives the native answer.
+        if demand is NO_DEMAND or self._logical_view or (demand is None and self.running_open):
+            # Nothing it allocates needs a map (or it allocates nothing, or every CLEAN
+            # block is backed: `begin_schedule`): the native count gives the native answer.
             return native
         self._adopt_external_pops()
         if demand is not None:

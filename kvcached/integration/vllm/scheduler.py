@@ -226,9 +226,10 @@ def allocate_slots(self, {params}):
         return original(self, {call})
     # The decode path: a running request's call (no prefix hit, no reservation) goes
     # straight to vLLM when the pool's one gate, `ElasticBlockPool.admit_running`, says the
-    # blocks it can ask for are already on mapped pages.
+    # blocks it can ask for are already on mapped pages, or is open for the whole schedule
+    # call (`ElasticBlockPool.begin_schedule`).
     if (request.status is running and num_new_computed_tokens == 0 and new_computed_blocks is None
-            and reserved_blocks == 0 and pool.admit_running(num_new_tokens + {lookahead})):
+            and reserved_blocks == 0 and (pool.running_open or pool.admit_running(num_new_tokens + {lookahead}))):
         return original(self, {call})
     previous = begin(self, pool, request, num_new_computed_tokens, new_computed_blocks, reserved_blocks)
     try:
@@ -347,9 +348,11 @@ def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
         step = pool.fence.begin_step()
         pages = pool.page_pool
         pages.batch_top_ups()  # one refill for the step's takes, sent as it is scheduled
+        pool.begin_schedule()
         try:
             output = original(self, *args, **kwargs)
         finally:
+            pool.end_schedule()
             pages.end_top_ups()
         if isinstance(pool.fence, EngineStepFence) and not touches_kv(output):
             pool.fence.mark_kv_free(step)
