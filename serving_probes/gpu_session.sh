@@ -32,12 +32,15 @@
 # H200 after two refused starts, 181 s lost; servers of 139-177 s with their phases): 8 of the 1b
 # run's 10 servers on d4ff39b (reports/gpu/serving/run-12-07c: install + fg 480 --time-budget 470, 2
 # servers; fg 560 / 550, 3; fg 500 / 490, 3). 12-07 night: no machine (loans paused; one refused
-# start, 91 s). Next, in order:
+# start, 91 s). 12-08 night: no machine (seven refused starts, 1,141 s of the lease; the bundle
+# rebuilt in 229 s on a fresh checkout). Next, in order:
 #   1. the 1b run, 5 rounds, on a host that holds its pace (run-12-07c's servers ran the same vLLM
 #      code up to 1.3x apart), on a tree with 7bcb2e3 (one refill a schedule: a CPU prefill step
 #      1.56x -> 1.29x native, async); it cannot be resumed on another tree;
 #   1b. where a decode step's extra scheduler time goes on the GPU (the CPU's split:
-#      reports/bench/scheduler_decode_sampled): one sampled round, saturation only, ~200 s on an H100:
+#      reports/bench/scheduler_decode_sampled; since 045d37c the running requests' gate is asked
+#      once per schedule call once every CLEAN block is backed, which the split should show):
+#      one sampled round, saturation only, ~200 s on an H100:
 #      fg 300 sampled python3 benchmarks/bench_serving.py --device cuda --models 1b --rounds 1 \
 #          --phases saturation --step-times --step-samples 100 --out /tmp/gpu-out/sampled \
 #          --logs /tmp/gpu-out/sampled/logs      (its report splits a decode step by whose code ran)
