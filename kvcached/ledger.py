@@ -90,6 +90,11 @@ class BlockLedger:
         return self.num_blocks - self.num_held
 
     @property
+    def every_free_backed(self) -> bool:
+        """Whether every free block sits on a mapped page (then no take maps)."""
+        return self.backed_free >= self.num_blocks - self.num_held
+
+    @property
     def usable_free(self) -> int:
         """Free blocks an allocation can have: `num_free` less the free blocks of quarantined
         pages. O(quarantined pages): none while the pool is healthy."""

@@ -312,7 +312,7 @@ class ElasticBlockPool(BlockPool):
             return False
         ledger = self.ledger
         backed = ledger.backed_free
-        if backed < gate[0] * (num_tokens // gate[1] + 2) and backed < ledger.num_free:
+        if backed < gate[0] * (num_tokens // gate[1] + 2) and not ledger.every_free_backed:
             return False
         self._demand = NO_DEMAND
         return True
@@ -327,7 +327,7 @@ class ElasticBlockPool(BlockPool):
         skips `admit_running`'s call on the decode path, and `get_num_free_blocks` answers
         the native count without a demand, which is `_backable`'s answer then. Off while
         faults are injected, as the gate is; `end_schedule` closes it."""
-        self.running_open = self.running_gate is not None and self.ledger.backed_free >= self.ledger.num_free
+        self.running_open = self.running_gate is not None and self.ledger.every_free_backed
 
     def end_schedule(self) -> None:
         self.running_open = False
@@ -471,10 +471,11 @@ class ElasticBlockPool(BlockPool):
         return 1.0 - (self.free_block_queue.num_free_blocks / total)
 
     def _backable(self, native: int, backed_clean: int) -> int:
+        # ``backed_clean``: the ledger's backed count, settled (`backed_free_count`).
         # With every CLEAN block backed, any n <= native is served by CLEAN blocks and then
         # mapped CACHED/STRANDED ones. Otherwise n must stay within the backed CLEAN ones,
         # because n <= #CLEAN takes CLEAN blocks only (native order).
-        return native if backed_clean >= self.ledger.num_free else backed_clean
+        return native if self.ledger.every_free_backed else backed_clean
 
     def _admit(self, native: int, demand: _Demand) -> int:
         """The free count for one admission check, mapping (or reclaiming) what it needs."""
