@@ -32,7 +32,7 @@
 # H200 after two refused starts, 181 s lost; servers of 139-177 s with their phases): 8 of the 1b
 # run's 10 servers on d4ff39b (reports/gpu/serving/run-12-07c: install + fg 480 --time-budget 470, 2
 # servers; fg 560 / 550, 3; fg 500 / 490, 3). 12-07 night: no machine (loans paused; one refused
-# start, 91 s). 12-08 night: no machine (eight refused starts, 1,231 s of the lease; the bundle
+# start, 91 s). 12-08 night: no machine (nine refused starts, 1,411 s of the lease; the bundle
 # rebuilt in 229 s on a fresh checkout). Next, in order:
 #   1. the 1b run, 5 rounds, on a host that holds its pace (run-12-07c's servers ran the same vLLM
 #      code up to 1.3x apart), on a tree with 7bcb2e3 (one refill a schedule: a CPU prefill step
