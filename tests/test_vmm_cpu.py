@@ -269,16 +269,22 @@ def test_memory_is_returned_to_the_os() -> None:
 # ---------------------------------------------------------------------------------------
 
 
+def _reachable_map_limit() -> int:
+    """vm.max_map_count, or skip the test where it is too large to reach cheaply."""
+    with open("/proc/sys/vm/max_map_count") as f:
+        max_maps = int(f.read())
+    if max_maps > 1 << 20:
+        pytest.skip(f"vm.max_map_count={max_maps} is too large to reach cheaply")
+    return max_maps
+
+
 @pytest.mark.skipif(
     "libasan" in os.environ.get("LD_PRELOAD", ""),
     reason="at vm.max_map_count, ASan's own allocator cannot mmap and aborts the child",
 )
 def test_map_is_all_or_nothing_when_the_os_refuses_mid_batch() -> None:
     """No budget: the kernel's mapping limit (vm.max_map_count) makes mmap fail part way through."""
-    with open("/proc/sys/vm/max_map_count") as f:
-        max_maps = int(f.read())
-    if max_maps > 1 << 20:
-        pytest.skip(f"vm.max_map_count={max_maps} is too large to reach cheaply")
+    max_maps = _reachable_map_limit()
     res = run_python(
         f"""
         from kvcached import _vmm
@@ -303,10 +309,7 @@ def test_a_batch_refused_at_the_mapping_limit_gives_every_mapping_back() -> None
     failure (odd or even: the OS may be left one above its limit). Either way the range ends as
     one reservation again, so the process is not held at the limit. Four ranges, each after one
     more mapping of the process's own, meet both counts."""
-    with open("/proc/sys/vm/max_map_count") as f:
-        max_maps = int(f.read())
-    if max_maps > 1 << 20:
-        pytest.skip(f"vm.max_map_count={max_maps} is too large to reach cheaply")
+    max_maps = _reachable_map_limit()
     res = run_python(
         f"""
         import mmap

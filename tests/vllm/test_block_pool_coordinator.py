@@ -4,6 +4,8 @@ native constructor arguments, and bad hash granularity stops it before kvcached 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from vllm.v1.core import kv_cache_coordinator, kv_cache_manager
@@ -151,10 +153,9 @@ def test_another_coordinator_gets_a_native_pool(published) -> None:
     assert isinstance(device.block_pool, ElasticBlockPool)
 
 
-def test_the_decode_path_skips_admission_exactly_when_admit_running_says_so(published) -> None:
-    """The exhaustion seam asks `ElasticBlockPool.admit_running`, the one definition of the
-    decode path's gate: on the real manager and pool, a running request's call goes without
-    admission work exactly when the method, asked on the same state just before, says it may."""
+def _running_request(published: Attached) -> tuple[Any, ElasticBlockPool, Any, list[str]]:
+    """vLLM's real `KVCacheManager` over an elastic pool, and a request it admitted (20 prompt
+    tokens, now RUNNING); the list records each admission the pool begins, as "admission"."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -166,15 +167,23 @@ def test_the_decode_path_skips_admission_exactly_when_admit_running_says_so(publ
     assert isinstance(pool, ElasticBlockPool)
     published.append(pool)
     pool.running_block_sizes = (16,)
-    admissions: list[int] = []
+    asked: list[str] = []
     begin = pool.begin_admission
-    pool.begin_admission = lambda *a, **k: admissions.append(1) or begin(*a, **k)  # type: ignore[method-assign]
+    pool.begin_admission = lambda *a, **k: asked.append("admission") or begin(*a, **k)  # type: ignore[method-assign]
     init_none_hash(sha256)
-    request = Request("r", list(range(3, 23)), SamplingParams(max_tokens=200), None,
+    request = Request("r", list(range(3, 23)), SamplingParams(max_tokens=400), None,
                       block_hasher=get_request_block_hasher(16, sha256))
-    assert manager.allocate_slots(request, 20) is not None and admissions == [1], "a new request is admitted"
+    assert manager.allocate_slots(request, 20) is not None and asked == ["admission"], "a new request is admitted"
     request.status = RequestStatus.RUNNING
     request.num_computed_tokens = 20
+    return manager, pool, request, asked
+
+
+def test_the_decode_path_skips_admission_exactly_when_admit_running_says_so(published) -> None:
+    """The exhaustion seam asks `ElasticBlockPool.admit_running`, the one definition of the
+    decode path's gate: on the real manager and pool, a running request's call goes without
+    admission work exactly when the method, asked on the same state just before, says it may."""
+    manager, pool, request, admissions = _running_request(published)
     seen = set()
     for n in (1, 1, 40, 1, 90, 1, 16, 200, 1, 31, 1, 32, 1, 33, 1):
         expected = pool.admit_running(n)
@@ -191,27 +200,9 @@ def test_an_open_schedule_call_skips_the_gate_and_admission_for_running_requests
     """`ElasticBlockPool.begin_schedule` on the real manager and pool: while every CLEAN block
     is backed, a running request's calls neither ask `admit_running` nor admit, and take the
     blocks native would count; after `end_schedule` the gate is asked again."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request, RequestStatus
-
-    manager = KVCacheManager(config(full()), max_model_len=1024, scheduler_block_size=16, hash_block_size=16)
-    pool = manager.block_pool
-    assert isinstance(pool, ElasticBlockPool)
-    published.append(pool)
-    pool.running_block_sizes = (16,)
-    asked: list[str] = []
-    begin, gate = pool.begin_admission, pool.admit_running
-    pool.begin_admission = lambda *a, **k: asked.append("admission") or begin(*a, **k)  # type: ignore[method-assign]
+    manager, pool, request, asked = _running_request(published)
+    gate = pool.admit_running
     pool.admit_running = lambda n: asked.append("gate") or gate(n)  # type: ignore[method-assign]
-    init_none_hash(sha256)
-    request = Request("r", list(range(3, 23)), SamplingParams(max_tokens=400), None,
-                      block_hasher=get_request_block_hasher(16, sha256))
-    assert manager.allocate_slots(request, 20) is not None and asked == ["admission"]
-    request.status = RequestStatus.RUNNING
-    request.num_computed_tokens = 20
     pool.ledger.ensure_backed(pool.ledger.num_free)
     pool.begin_schedule()
     assert pool.running_open
